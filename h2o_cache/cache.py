@@ -1,0 +1,325 @@
+"""`H2OCache`: a batched KV cache with a fixed per-layer, per-KV-head token budget.
+
+Layout, per layer: keys and values [rows, H_kv, capacity, D] and fp32 scores [rows, H_kv, capacity].
+Row b holds `lengths[b]` tokens in slots 0..lengths[b]-1, in arrival order; every layer and head of
+a row holds the same number of tokens, but each head keeps its own choice of tokens.
+
+One forward pass is bracketed by `begin()` (positions, mask and write slots for the new chunk) and
+`end()` (bookkeeping and eviction down to the budget), so between passes no row exceeds its budget;
+during a pass a row holds at most budget + chunk tokens.
+
+With position rolling, keys are stored before RoPE and rotated to their slot positions whenever
+they are read, so the query of slot n sees its keys at distances 1..n, never more than the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from h2o_cache.config import CacheConfig
+from h2o_cache.eviction import accumulate_scores, keep_indices
+from h2o_cache.policies import get_policy
+from h2o_cache.rope import RopeTable, rotate, unrotate
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the cache needs to know about a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device: torch.device
+    dtype: torch.dtype
+    rope: RopeTable
+
+
+@dataclass
+class _Step:
+    """Shared by all layers during one forward pass of a chunk of C (padded) tokens per row."""
+
+    n_new: list[int]
+    positions: torch.Tensor  # [B, C] int64, positions RoPE gives the new tokens
+    write_slots: torch.Tensor  # [B, C] int64
+    uniform_start: int | None  # all rows write at the same slots: plain slice writes
+    kv_len: int  # max(lengths) + C: keys visible to this pass
+    mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
+    query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
+
+
+class H2OLayer(CacheLayerMixin):
+    """Buffers of one decoder layer. Grown by the owning `H2OCache`, never by itself."""
+
+    is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise NotImplementedError("H2OLayer buffers are allocated by H2OCache")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("call H2OCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2] if self.keys is not None else 0, 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def resize(self, rows: int, capacity: int, spec: ModelSpec, with_scores: bool, keep_rows: int, keep_len: int) -> None:
+        shape = (rows, spec.num_kv_heads, capacity, spec.head_dim)
+        keys = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
+        values = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
+        scores = torch.zeros(shape[:3], device=spec.device, dtype=torch.float32) if with_scores else None
+        if self.keys is not None and keep_rows and keep_len:
+            keys[:keep_rows, :, :keep_len] = self.keys[:keep_rows, :, :keep_len]
+            values[:keep_rows, :, :keep_len] = self.values[:keep_rows, :, :keep_len]
+            if scores is not None:
+                scores[:keep_rows, :, :keep_len] = self.scores[:keep_rows, :, :keep_len]
+        self.keys, self.values, self.scores = keys, values, scores
+        self.is_initialized = True
+
+    def copy_row(self, dst: int, src_layer: H2OLayer, src: int, length: int) -> None:
+        self.keys[dst, :, :length] = src_layer.keys[src, :, :length]
+        self.values[dst, :, :length] = src_layer.values[src, :, :length]
+        if self.scores is not None:
+            self.scores[dst, :, :length] = src_layer.scores[src, :, :length]
+
+    def keep(self, rows: int, length: int, index: torch.Tensor) -> None:
+        """Compact each row and head to the slots in index [rows, H, K] (sorted)."""
+        k = index.shape[-1]
+        expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys[:rows, :, :k] = self.keys[:rows, :, :length].gather(2, expanded)
+        self.values[:rows, :, :k] = self.values[:rows, :, :length].gather(2, expanded)
+        if self.scores is not None:
+            self.scores[:rows, :, :k] = self.scores[:rows, :, :length].gather(2, index)
+
+
+class H2OCache(Cache):
+    """Budgeted KV cache for a batch of independent sequences (rows).
+
+    Rows are added with `add_rows`/`extend` and removed with `pop`, so a continuous batcher can move
+    sequences in and out between steps. Use it through `h2o_cache.Generator`, or by hand:
+    `positions = cache.begin(n_new)`, a forward pass with `position_ids=positions`,
+    `past_key_values=cache, h2o_cache=cache` on a model prepared by `prepare_model`, then `cache.end()`.
+    """
+
+    def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
+        super().__init__(layers=[H2OLayer() for _ in range(spec.num_layers)])
+        self.spec = spec
+        self.config = config
+        self.policy = get_policy(config.policy)
+        self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
+        self.seen: list[int] = []  # tokens ever fed per row
+        self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
+        self._rows_capacity = 0
+        self._capacity = 0
+        self._step: _Step | None = None
+        self.add_rows(rows)
+
+    # ----- rows -----------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def add_rows(self, n: int) -> None:
+        """Append n empty sequences."""
+        self._reserve(self.batch_size + n, self._capacity)
+        self.lengths += [0] * n
+        self.seen += [0] * n
+        self.pending += [[] for _ in range(n)]
+
+    def extend(self, other: H2OCache) -> None:
+        """Append the rows of `other` (same model and config) after this cache's rows."""
+        start = self.batch_size
+        self._reserve(start + other.batch_size, max([self._capacity, *other.lengths]))
+        for i, length in enumerate(other.lengths):
+            for mine, theirs in zip(self.layers, other.layers):
+                mine.copy_row(start + i, theirs, i, length)
+        self.lengths += other.lengths
+        self.seen += other.seen
+        self.pending += [list(p) for p in other.pending]
+
+    def pop(self, row: int) -> H2OCache:
+        """Remove one row and return it as a cache of its own; the last row takes its place."""
+        single = H2OCache(self.spec, self.config)
+        length = self.lengths[row]
+        single._reserve(1, length)
+        for mine, theirs in zip(single.layers, self.layers):
+            mine.copy_row(0, theirs, row, length)
+        single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
+        last = self.batch_size - 1
+        if row != last:
+            for layer in self.layers:
+                layer.copy_row(row, layer, last, self.lengths[last])
+            self.lengths[row], self.seen[row] = self.lengths[last], self.seen[last]
+            self.pending[row] = self.pending[last]
+        self.lengths.pop()
+        self.seen.pop()
+        self.pending.pop()
+        return single
+
+    def _reserve(self, rows: int, capacity: int) -> None:
+        if rows <= self._rows_capacity and capacity <= self._capacity:
+            return
+        if self._capacity and capacity > self._capacity:
+            capacity = max(capacity, self._capacity + self._capacity // 2)  # amortized growth (full policy)
+        rows = max(rows, self._rows_capacity)
+        capacity = max(capacity, self._capacity)
+        for layer in self.layers:
+            layer.resize(rows, capacity, self.spec, self.policy.needs_scores, self.batch_size, max(self.lengths, default=0))
+        self._rows_capacity, self._capacity = rows, capacity
+
+    # ----- one forward pass -------------------------------------------------------------------
+
+    def begin(self, n_new: list[int]) -> torch.Tensor:
+        """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)).
+
+        Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
+        """
+        if len(n_new) != self.batch_size:
+            raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
+        chunk = max(n_new)
+        device = self.spec.device
+        starts = torch.tensor(self.lengths, device=device)
+        offsets = torch.arange(chunk, device=device)
+        write_slots = starts[:, None] + offsets
+        kv_len = max(self.lengths) + chunk
+        self._reserve(self.batch_size, kv_len)
+
+        uniform = len(set(self.lengths)) == 1
+        if uniform and chunk == 1:
+            mask = None
+        else:
+            key_slots = torch.arange(kv_len, device=device)
+            mask = (key_slots <= write_slots[:, :, None])[:, None]
+        query_valid = None
+        if min(n_new) != chunk:
+            query_valid = offsets < torch.tensor(n_new, device=device)[:, None]
+
+        if self.config.rolling:
+            positions = write_slots
+        else:
+            positions = torch.tensor(self.seen, device=device)[:, None] + offsets
+        self._step = _Step(
+            n_new=list(n_new), positions=positions, write_slots=write_slots,
+            uniform_start=self.lengths[0] if uniform else None,
+            kv_len=kv_len, mask=mask, query_valid=query_valid,
+        )
+        return positions
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Store the chunk's keys/values; return every visible key (rotated) and value.
+
+        key_states, value_states: [B, H_kv, C, D], keys already rotated to `positions`.
+        Returns [B, H_kv, kv_len, D] each.
+        """
+        step = self._step
+        if step is None:
+            raise RuntimeError("H2OCache.update outside begin()/end(); use h2o_cache.Generator")
+        layer = self.layers[layer_idx]
+        rows = self.batch_size
+        if self.config.rolling:
+            cos, sin = self.spec.rope.get(step.kv_len)
+            key_states = unrotate(key_states.float(), cos[step.positions][:, None], sin[step.positions][:, None])
+            key_states = key_states.to(layer.keys.dtype)
+        chunk = key_states.shape[2]
+        if step.uniform_start is not None:
+            start = step.uniform_start
+            layer.keys[:rows, :, start:start + chunk] = key_states
+            layer.values[:rows, :, start:start + chunk] = value_states
+            if layer.scores is not None:
+                layer.scores[:rows, :, start:start + chunk] = 0
+        else:
+            index = step.write_slots[:, None, :].expand(-1, key_states.shape[1], -1)
+            layer.keys[:rows].scatter_(2, index[..., None].expand_as(key_states), key_states)
+            layer.values[:rows].scatter_(2, index[..., None].expand_as(value_states), value_states)
+            if layer.scores is not None:
+                layer.scores[:rows].scatter_(2, index, 0.0)
+        keys = layer.keys[:rows, :, :step.kv_len]
+        values = layer.values[:rows, :, :step.kv_len]
+        if self.config.rolling:
+            cos, sin = self.spec.rope.get(step.kv_len)
+            keys = rotate(keys.float(), cos, sin).to(values.dtype)
+        return keys, values
+
+    def attend(self, layer_idx: int, query, keys, values, scaling: float) -> torch.Tensor:
+        """Attention of the chunk's queries; accumulates each key's attention when the policy scores.
+
+        query: [B, H_q, C, D]; keys, values: [B, H_kv, K, D] as returned by `update`.
+        Returns [B, C, H_q, D], the layout transformers' attention functions return.
+        """
+        step = self._step
+        b, h_q, c, d = query.shape
+        h_kv, k = keys.shape[1], keys.shape[2]
+        if not self.policy.needs_scores:
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
+            )
+            return out.transpose(1, 2)
+        group = h_q // h_kv
+        # Query heads h_kv*G .. h_kv*G+G-1 share KV head h_kv: fold them into the query axis.
+        grouped = query.reshape(b, h_kv, group * c, d).float()
+        logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).mul_(scaling)
+        logits = logits.view(b, h_kv, group, c, k)
+        if step.mask is not None:
+            logits = logits.masked_fill(~step.mask[:, :, None], float("-inf"))
+        probs = logits.softmax(dim=-1)
+        self.layers[layer_idx].scores[:b, :, :k] += accumulate_scores(probs, step.query_valid)
+        out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
+        return out.view(b, h_q, c, d).transpose(1, 2)
+
+    def end(self) -> None:
+        """Commit the pass: count the new tokens, then evict every row down to its budget."""
+        step, self._step = self._step, None
+        self.lengths = [n + m for n, m in zip(self.lengths, step.n_new)]
+        self.seen = [n + m for n, m in zip(self.seen, step.n_new)]
+        budget = self.config.budget
+        if not self.policy.evicts or max(self.lengths) <= budget:
+            return
+        rows, longest = self.batch_size, max(self.lengths)
+        lengths = torch.tensor(self.lengths, device=self.spec.device)
+        slots = torch.arange(longest, device=self.spec.device)
+        shared_index = None
+        for layer in self.layers:
+            if shared_index is None or self.policy.needs_scores:
+                scores = layer.scores[:rows, :, :longest] if layer.scores is not None else None
+                priority = self.policy.priority(scores, slots)
+                priority = priority.expand(rows, self.spec.num_kv_heads, longest)
+                index = keep_indices(priority, lengths, budget, self.config.sinks, self.config.recent)
+                shared_index = index
+            layer.keep(rows, longest, shared_index)
+        self.lengths = [min(n, budget) for n in self.lengths]
+
+    def abort(self) -> None:
+        """Forget a pass that failed midway; rows keep the tokens they had before it."""
+        self._step = None
+
+    # ----- accounting -----------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths, default=0)
+
+    def resident_bytes(self, row: int | None = None) -> int:
+        """Bytes held by the tokens of one row (or all rows), keys + values + scores."""
+        tokens = sum(self.lengths) if row is None else self.lengths[row]
+        per_token = 2 * self.spec.num_kv_heads * self.spec.head_dim * self.spec.dtype.itemsize
+        if self.policy.needs_scores:
+            per_token += self.spec.num_kv_heads * 4
+        return tokens * per_token * self.spec.num_layers
+
+    def allocated_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers for t in (layer.keys, layer.values, layer.scores) if t is not None
+        )

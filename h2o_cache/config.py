@@ -1,0 +1,93 @@
+"""Cache configuration: how many tokens each layer/head keeps and which policy picks them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h2o_cache.policies import POLICIES, get_policy
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Budget and policy of an `H2OCache`.
+
+    budget: tokens kept per layer and KV head once a sequence is longer (ignored by `full`).
+    heavy_ratio: share of the budget given to heavy hitters (`h2o`); the rest, less the sinks,
+        is the recent window. The H2O paper's default splits half and half.
+    sink_tokens: first tokens always kept (attention sinks). `streaming` defaults to 4.
+    recent_window: explicit recent window; by default `budget - heavy - sinks`.
+    position_rolling: give cached keys the positions of their slots (0..n-1) instead of their
+        original positions, so RoPE never sees a position beyond the budget.
+    prefill_chunk: longest chunk of prompt fed in one forward; bounds prefill memory to
+        O(chunk x (budget + chunk)) per head.
+    """
+
+    policy: str = "h2o"
+    budget: int = 256
+    heavy_ratio: float = 0.5
+    sink_tokens: int | None = None
+    recent_window: int | None = None
+    position_rolling: bool = True
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        policy = get_policy(self.policy)
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if not policy.evicts:
+            return
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1 token, got {self.budget}")
+        if not 0.0 <= self.heavy_ratio <= 1.0:
+            raise ValueError(f"heavy_ratio must be within [0, 1], got {self.heavy_ratio}")
+        if self.sink_tokens is not None and self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.recent_window is not None and self.recent_window < 1:
+            raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
+        if self.sinks + self.recent > self.budget:
+            raise ValueError(
+                f"budget ({self.budget}) is smaller than the recent window ({self.recent}) "
+                f"plus sink tokens ({self.sinks}) of policy {self.policy!r}"
+            )
+
+    @property
+    def evicts(self) -> bool:
+        return get_policy(self.policy).evicts
+
+    @property
+    def sinks(self) -> int:
+        if self.sink_tokens is not None:
+            return self.sink_tokens
+        return get_policy(self.policy).default_sinks
+
+    @property
+    def heavy(self) -> int:
+        """Heavy-hitter slots: the part of the budget chosen by score rather than recency."""
+        if not get_policy(self.policy).uses_heavy_hitters:
+            return 0
+        if self.recent_window is not None:
+            return max(self.budget - self.sinks - self.recent_window, 0)
+        return int(self.budget * self.heavy_ratio)
+
+    @property
+    def recent(self) -> int:
+        if self.recent_window is not None:
+            return self.recent_window
+        return max(self.budget - self.heavy - self.sinks, 1)
+
+    @property
+    def rolling(self) -> bool:
+        """Rolling only changes anything when tokens are evicted."""
+        return self.position_rolling and self.evicts
+
+    def describe(self) -> str:
+        if not self.evicts:
+            return self.policy
+        rolling = "rolling" if self.rolling else "no-rolling"
+        return (
+            f"{self.policy}(budget={self.budget}, heavy={self.heavy}, recent={self.recent}, "
+            f"sinks={self.sinks}, {rolling})"
+        )
+
+
+__all__ = ["CacheConfig", "POLICIES"]

@@ -1,0 +1,131 @@
+"""Generation loop over an `H2OCache`: chunked prefill, batched decode, continuation of sequences.
+
+transformers' `generate()` recomputes absolute positions from the sequence length, which undoes
+position rolling, so this module drives the model itself. Every position the model sees comes
+from the cache (`H2OCache.begin`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from h2o_cache.cache import H2OCache
+from h2o_cache.config import CacheConfig
+from h2o_cache.hf import forward, model_spec
+from h2o_cache.sampling import Sample, Sampler, SamplingParams
+from h2o_cache.text import StreamDecoder
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"  # "stop" (EOS or stop string) or "length"
+    logprobs: list[Sample] = field(default_factory=list)
+
+
+class Generator:
+    """Drives a Llama-family model with budgeted caches.
+
+    A cache row is one sequence. The token sampled last in a row is not fed to the model until the
+    row continues; `H2OCache.pending` keeps it, so `generate(new_prompts, cache=cache)` continues a
+    conversation exactly as if the whole text had been fed at once.
+    """
+
+    def __init__(self, model, tokenizer, config: CacheConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or CacheConfig()
+        self.spec = model_spec(model)
+        eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+
+    def new_cache(self, rows: int = 0, config: CacheConfig | None = None) -> H2OCache:
+        return H2OCache(self.spec, config or self.config, rows)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+        ))
+
+    # ----- model passes ------------------------------------------------------------------
+
+    def prefill(self, cache: H2OCache, tokens: list[list[int]]) -> torch.Tensor:
+        """Feed tokens[b] to row b, in chunks of at most `prefill_chunk` tokens per row.
+
+        Returns fp32 logits after each row's last token [B, V]. Every row needs >= 1 token.
+        """
+        if any(not t for t in tokens):
+            raise ValueError("every row needs at least one token to prefill")
+        chunk = cache.config.prefill_chunk
+        last: list[torch.Tensor | None] = [None] * len(tokens)
+        for start in range(0, max(map(len, tokens)), chunk):
+            pieces = [t[start:start + chunk] for t in tokens]
+            logits = self.step(cache, pieces)
+            for b, piece in enumerate(pieces):
+                if piece:
+                    last[b] = logits[b]
+        return torch.stack(last)
+
+    def step(self, cache: H2OCache, pieces: list[list[int]]) -> torch.Tensor:
+        """One forward pass: row b takes pieces[b] (may be empty). Returns last-token logits [B, V]."""
+        width = max(map(len, pieces))
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([p + [pad] * (width - len(p)) for p in pieces], device=self.spec.device)
+        n_new = [len(p) for p in pieces]
+        return forward(self.model, cache, input_ids, n_new)
+
+    # ----- generation -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] = SamplingParams(),
+        cache: H2OCache | None = None,
+    ) -> list[Completion]:
+        """Generate a completion for each prompt (token ids), one cache row per prompt.
+
+        With `cache`, row b continues: its pending token and prompts[b] are appended to what it holds.
+        """
+        if cache is None:
+            cache = self.new_cache(len(prompts))
+        if cache.batch_size != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts for a cache of {cache.batch_size} rows")
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        samplers = [Sampler(p, self.spec.device) for p in params]
+        decoders = [StreamDecoder(self.tokenizer, p.stop) for p in params]
+        results = [Completion() for _ in prompts]
+        logits = self.prefill(cache, [pending + list(p) for pending, p in zip(cache.pending, prompts)])
+        active = list(range(len(prompts)))
+        while active:
+            next_pieces: list[list[int]] = [[] for _ in prompts]
+            for b in active:
+                sample = samplers[b](logits[b])
+                results[b].token_ids.append(sample.token)
+                if params[b].logprobs is not None:
+                    results[b].logprobs.append(sample)
+                cache.pending[b] = [sample.token]
+                done = self._finish_reason(sample.token, params[b], decoders[b], len(results[b].token_ids))
+                if done:
+                    results[b].finish_reason = done
+                else:
+                    next_pieces[b] = [sample.token]
+            active = [b for b in active if next_pieces[b]]
+            if active:
+                logits = self.step(cache, next_pieces)
+        for result, decoder in zip(results, decoders):
+            decoder.flush()
+            result.text = decoder.text
+        return results
+
+    def _finish_reason(self, token: int, params: SamplingParams, decoder: StreamDecoder, n: int) -> str | None:
+        if token in self.eos_token_ids and not params.ignore_eos or token in params.stop_token_ids:
+            return "stop"
+        decoder.push(token)
+        if decoder.stopped:
+            return "stop"
+        if n >= params.max_new_tokens:
+            return "length"
+        return None

@@ -1,0 +1,103 @@
+"""Everything that touches transformers internals (tested on transformers 5.23).
+
+The cache plugs into a stock Llama-family model through two public hooks:
+- `past_key_values`: the model calls `H2OCache.update` per layer with RoPE-rotated keys;
+- `AttentionInterface`: attention function "h2o", enabled only for our own forward passes, which
+  hands queries to `H2OCache.attend` (fp32 softmax + per-KV-head score accumulation). The model's
+  mask builder skips unregistered implementations, so no L x L mask is ever built; the cache masks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from h2o_cache.cache import H2OCache, ModelSpec
+from h2o_cache.rope import RopeTable
+
+ATTENTION_NAME = "h2o"
+
+
+def _h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, h2o_cache=None, **kwargs):
+    if h2o_cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return h2o_cache.attend(module.layer_idx, query, key, value, scaling), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _h2o_attention)
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a decoder-only transformer with rotary position embeddings."""
+
+
+def model_spec(model: PreTrainedModel) -> ModelSpec:
+    """Check that `model` is a RoPE decoder the cache can drive and describe it for `H2OCache`."""
+    config = model.config
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} is an encoder-decoder model; h2o_cache needs a decoder-only model")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    rotary = getattr(decoder, "rotary_emb", None)
+    layers = getattr(decoder, "layers", None)
+    if rotary is None or layers is None or model.get_output_embeddings() is None:
+        raise UnsupportedModelError(
+            f"{name} is not a decoder with rotary position embeddings (Llama-family) and an LM head"
+        )
+    if getattr(config, "sliding_window", None) or getattr(config, "layer_types", None) and any(
+        t != "full_attention" for t in config.layer_types
+    ):
+        raise UnsupportedModelError(f"{name} uses sliding-window or hybrid attention layers, which h2o_cache does not drive")
+    param = next(model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dummy = torch.empty(0, device=param.device, dtype=torch.float32)
+    return ModelSpec(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        device=param.device,
+        dtype=param.dtype,
+        rope=RopeTable(lambda positions: rotary(dummy, positions), param.device),
+    )
+
+
+@contextmanager
+def _h2o_attention_enabled(model: PreTrainedModel):
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
+
+
+@torch.inference_mode()
+def forward(
+    model: PreTrainedModel,
+    cache: H2OCache,
+    input_ids: torch.Tensor,
+    n_new: list[int],
+    all_logits: bool = False,
+) -> torch.Tensor:
+    """One pass feeding input_ids [B, C] (row b: its first n_new[b] tokens are real) through the cache.
+
+    Returns fp32 logits of each row's last real token [B, V], or of every position [B, C, V].
+    """
+    positions = cache.begin(n_new)
+    try:
+        with _h2o_attention_enabled(model):
+            hidden = model.get_decoder()(
+                input_ids=input_ids, position_ids=positions, past_key_values=cache,
+                use_cache=True, h2o_cache=cache,
+            ).last_hidden_state
+    except BaseException:
+        cache.abort()
+        raise
+    cache.end()
+    if not all_logits:
+        last = torch.tensor(n_new, device=hidden.device) - 1
+        hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return model.get_output_embeddings()(hidden).float()

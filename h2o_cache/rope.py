@@ -1,0 +1,48 @@
+"""Rotary position embedding helpers for position rolling.
+
+With rolling, keys are cached *before* RoPE and rotated to their slot positions on every read;
+`unrotate` recovers the pre-RoPE key from the rotated one the model hands the cache.
+cos/sin follow transformers' convention: [..., D] with the two halves repeated, possibly
+multiplied by the rope type's attention scaling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, D]; cos, sin: broadcastable to x."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `rotate`, exact for any scaling s of cos = s cos t, sin = s sin t."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+class RopeTable:
+    """cos/sin for positions 0..n-1, computed by the model's own rotary embedding and grown on demand.
+
+    rope_fn(positions [1, N] int64) -> (cos, sin), each [1, N, D].
+    """
+
+    def __init__(self, rope_fn, device: torch.device):
+        self._rope_fn = rope_fn
+        self._device = device
+        self.cos = torch.empty(0, 0, device=device)
+        self.sin = torch.empty(0, 0, device=device)
+
+    def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, D] fp32 each."""
+        if self.cos.shape[0] < n:
+            size = max(n, 2 * self.cos.shape[0])
+            positions = torch.arange(size, device=self._device)[None]
+            cos, sin = self._rope_fn(positions)
+            self.cos, self.sin = cos[0].float(), sin[0].float()
+        return self.cos[:n], self.sin[:n]
