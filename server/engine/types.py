@@ -1,0 +1,82 @@
+"""The engine's contract with the HTTP layer: plain dataclasses, no HTTP and no tensors.
+
+The HTTP layer validates a request, turns it into a `ChatRequest` and calls `Engine.submit`, which
+raises an `EngineError` subclass (mapped by type to an HTTP status) before anything is streamed,
+or returns a `Handle` whose async iteration yields `Delta`s and ends with one `Finish`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from h2o_cache import Sample, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16  # sequences decoded together in one step
+    max_queue: int = 64  # requests waiting or running; more get QueueFull (429)
+    max_sessions: int = 256  # live sessions kept; least recently used dropped beyond
+    session_ttl: float = 1800.0  # seconds an idle session is kept
+    max_prompt_tokens: int = 32768  # longest conversation a request may prefill
+    prefill_chunk: int = 256  # prompt tokens prefilled per engine iteration, between decode steps
+    context_window: int | None = None  # for policies that never evict (full): prompt + reply limit
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}], validated, non-empty
+    params: SamplingParams
+    owner: str = ""  # opaque id of the API key that sent it ("" when auth is off)
+    session_id: str | None = None  # client-named session: messages are only the new ones
+    request_id: str = ""
+
+
+@dataclass
+class Delta:
+    text: str  # never splits a UTF-8 character; may be "" when only logprobs advance
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Sample] = field(default_factory=list)  # one per token when params.logprobs is set
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int  # the whole conversation's prompt, as OpenAI counts it
+    completion_tokens: int
+    cached_tokens: int  # part of prompt_tokens served from the session instead of prefilled
+    kv_resident_tokens: int  # tokens the session's cache holds per layer/head after the turn
+    conversation_tokens: int  # tokens the session has consumed in all
+
+
+@dataclass
+class Finish:
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+
+
+class EngineError(Exception):
+    """Base of the errors the engine reports; the HTTP layer maps each type to a status and code."""
+
+
+class EngineNotReady(EngineError):
+    pass
+
+
+class QueueFull(EngineError):
+    retry_after: float = 1.0
+
+
+class SessionNotFound(EngineError):
+    pass
+
+
+class SessionBusy(EngineError):
+    pass
+
+
+class PromptTooLong(EngineError):
+    pass
+
+
+class GenerationFailed(EngineError):
+    pass
