@@ -74,7 +74,7 @@ def _h2o_attention_enabled(model: PreTrainedModel):
         model.config._attn_implementation = previous
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: cache buffers must stay editable between passes
 def forward(
     model: PreTrainedModel,
     cache: H2OCache,

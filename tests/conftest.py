@@ -8,26 +8,32 @@ import torch
 torch.set_num_threads(2)
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128):
+def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128, init_std: float = 0.02):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=init_std,
     )
     return LlamaForCausalLM(config).eval()
 
 
 class ByteTokenizer:
-    """Minimal tokenizer for the tiny model: one token per byte (offset 3), ids 0..2 special."""
+    """Minimal tokenizer: one token per byte (offset 3), ids 0..2 special.
+
+    With the tiny model's 128-token vocabulary, bytes above 124 wrap around (lossy); vocab=259 is exact.
+    """
 
     pad_token_id, eos_token_id = 0, 2
     eos_token = "</s>"
 
+    def __init__(self, vocab: int = 128):
+        self.vocab = vocab
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [b % 125 + 3 for b in text.encode()]
+        return [b % (self.vocab - 3) + 3 for b in text.encode()]
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")

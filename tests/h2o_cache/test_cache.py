@@ -1,0 +1,181 @@
+"""H2OCache against transformers' DynamicCache, and its invariants under eviction."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from h2o_cache import CacheConfig, H2OCache, forward, model_spec
+from tests.conftest import tiny_llama
+
+POLICIES = ["h2o", "streaming", "local", "full"]
+EXACT = "donot_use_mm_for_euclid_dist"
+
+
+def feed(model, cache, ids, chunk):
+    """Feed ids [B, T] in chunks; return logits of every position [B, T, V]."""
+    out = [forward(model, cache, ids[:, s:s + chunk], [ids[:, s:s + chunk].shape[1]] * ids.shape[0], all_logits=True)
+           for s in range(0, ids.shape[1], chunk)]
+    return torch.cat(out, dim=1)
+
+
+def distinct_ids(rows, n, seed):
+    """Token ids without repeats in a row, so each position has its own fingerprint."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(125, generator=gen)[:n] + 3 for _ in range(rows)])
+
+
+def layer0_values(model, ids):
+    """Layer-0 values depend on the token alone: [B, H_kv, T, D], a fingerprint of each position."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return cache.layers[0].values
+
+
+def resident_positions(cache, fingerprints, row):
+    """Original positions held by each KV head of layer 0, recovered from the value vectors."""
+    n = cache.lengths[row]
+    held = cache.layers[0].values[row, :, :n]  # [H, n, D]
+    dist = torch.cdist(held, fingerprints[row], compute_mode=EXACT)  # [H, n, T]
+    apart = torch.cdist(fingerprints[row], fingerprints[row], compute_mode=EXACT)
+    separation = apart[apart > 0].min()
+    assert dist.min(dim=-1).values.max() < separation / 100  # every match is unambiguous
+    return dist.argmin(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_budget_above_length_reproduces_full_cache_logits(tiny_model, policy, chunk):
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = tiny_model(ids).logits
+    cache = H2OCache(model_spec(tiny_model), CacheConfig(policy=policy, budget=64), rows=2)
+    assert torch.allclose(feed(tiny_model, cache, ids, chunk), reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "local"])
+@pytest.mark.parametrize("rolling", [True, False])
+def test_resident_tokens_obey_budget_recent_window_and_order(tiny_model, policy, rolling):
+    config = CacheConfig(policy=policy, budget=16, position_rolling=rolling)
+    ids = distinct_ids(2, 61, seed=2)
+    fingerprints = layer0_values(tiny_model, ids)
+    cache = H2OCache(model_spec(tiny_model), config, rows=2)
+    seen = 0
+    for chunk in [5, 1, 1, 9, 1, 3, 20, 1, 1, 1, 18]:
+        forward(tiny_model, cache, ids[:, seen:seen + chunk], [chunk, chunk])
+        seen += chunk
+        assert cache.lengths == [min(seen, 16)] * 2 and cache.seen == [seen] * 2
+        for row in range(2):
+            for positions in resident_positions(cache, fingerprints, row):
+                assert positions == sorted(positions) and len(set(positions)) == len(positions)
+                assert set(range(max(0, seen - config.recent), seen)) <= set(positions)
+                assert set(range(min(config.sinks, seen))) <= set(positions)
+
+
+def test_h2o_heads_keep_different_tokens_and_rows_do_not_mix():
+    tiny_model = tiny_llama(init_std=0.3)  # peaked attention, so heads disagree on heavy hitters
+    config = CacheConfig(policy="h2o", budget=12)
+    ids = distinct_ids(2, 40, seed=3)
+    ids[1] = ids[0]  # same text in both rows...
+    fingerprints = layer0_values(tiny_model, ids)
+    cache = H2OCache(model_spec(tiny_model), config, rows=2)
+    forward(tiny_model, cache, ids[:, :30], [30, 20])  # ...fed differently: row 1 has only 20 tokens
+    forward(tiny_model, cache, ids[:, 30:40], [10, 10])
+    held0 = resident_positions(cache, fingerprints, 0)
+    assert held0[0] != held0[1], "KV heads should choose their own heavy hitters"
+    alone = H2OCache(model_spec(tiny_model), config, rows=1)
+    forward(tiny_model, alone, ids[:1, :30], [30])
+    forward(tiny_model, alone, ids[:1, 30:40], [10])
+    assert resident_positions(alone, fingerprints[:1], 0) == held0
+
+
+def test_scores_are_fp32_attention_sums_per_kv_head(tiny_model):
+    """Accumulated scores equal eager attention weights summed over queries and each head's group."""
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(4))
+    tiny_model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attentions = tiny_model(ids, output_attentions=True).attentions
+    finally:
+        tiny_model.set_attn_implementation("sdpa")
+    cache = H2OCache(model_spec(tiny_model), CacheConfig(policy="h2o", budget=64), rows=1)
+    feed(tiny_model, cache, ids, chunk=6)
+    for layer, weights in zip(cache.layers, attentions):  # weights: [1, H_q, T, T]
+        expected = weights.sum(dim=2).view(1, 2, 2, 20).sum(dim=2)  # group of 2 query heads per KV head
+        assert layer.scores.dtype == torch.float32
+        assert torch.allclose(layer.scores[:, :, :20], expected, atol=1e-5)
+
+
+def test_batched_rows_equal_single_rows_under_eviction(tiny_model):
+    config = CacheConfig(policy="h2o", budget=10, prefill_chunk=8)
+    spec = model_spec(tiny_model)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (25, 9, 17)]
+    batch = H2OCache(spec, config, rows=3)
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    batched = forward(tiny_model, batch, ids, [len(p) for p in prompts])
+    for row, prompt in enumerate(prompts):
+        single = H2OCache(spec, config, rows=1)
+        alone = forward(tiny_model, single, torch.tensor([prompt]), [len(prompt)])
+        assert torch.allclose(batched[row], alone[0], atol=1e-5)
+        for mine, theirs in zip(single.layers, batch.layers):
+            n = single.lengths[0]
+            assert torch.allclose(mine.scores[0, :, :n], theirs.scores[row, :, :n], atol=1e-5)
+
+
+def test_pop_and_extend_move_rows_without_changing_them(tiny_model):
+    config = CacheConfig(policy="h2o", budget=10)
+    spec = model_spec(tiny_model)
+    ids = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(6))
+    batch = H2OCache(spec, config, rows=3)
+    forward(tiny_model, batch, ids, [14, 12, 7])
+    snapshot = [(layer.keys[:3].clone(), layer.scores[:3].clone()) for layer in batch.layers]
+    lengths = list(batch.lengths)
+    popped = batch.pop(0)
+    assert batch.lengths == [lengths[2], lengths[1]] and popped.lengths == [lengths[0]]
+    batch.extend(popped)
+    assert batch.lengths == [lengths[2], lengths[1], lengths[0]]
+    for layer, (keys, scores) in zip(batch.layers, snapshot):
+        for now, before in [(0, 2), (1, 1), (2, 0)]:
+            n = lengths[before]
+            assert torch.equal(layer.keys[now, :, :n], keys[before, :, :n])
+            assert torch.equal(layer.scores[now, :, :n], scores[before, :, :n])
+
+
+def test_prefill_never_attends_beyond_budget_plus_chunk(tiny_model, monkeypatch):
+    """A long prompt is never materialized as an L x L attention matrix."""
+    config = CacheConfig(policy="h2o", budget=32, prefill_chunk=16)
+    cache = H2OCache(model_spec(tiny_model), config, rows=1)
+    shapes = []
+    attend = cache.attend
+
+    def recording(layer_idx, query, keys, values, scaling):
+        shapes.append((query.shape[2], keys.shape[2]))
+        return attend(layer_idx, query, keys, values, scaling)
+
+    monkeypatch.setattr(cache, "attend", recording)
+    ids = torch.randint(3, 128, (1, 4000), generator=torch.Generator().manual_seed(7))
+    for start in range(0, 4000, 16):
+        forward(tiny_model, cache, ids[:, start:start + 16], [16])
+    assert max(k for _, k in shapes) <= 32 + 16 and max(q for q, _ in shapes) <= 16
+    assert cache.lengths == [32] and cache.seen == [4000]
+
+
+def test_rolling_positions_stay_within_budget(tiny_model):
+    cache = H2OCache(model_spec(tiny_model), CacheConfig(policy="h2o", budget=16), rows=1)
+    for _ in range(40):
+        positions = cache.begin([1])
+        assert positions.max().item() <= 16
+        cache.abort()
+        forward(tiny_model, cache, torch.tensor([[5]]), [1])
+    assert cache.seen == [40]
+
+
+def test_resident_bytes_are_constant_once_full(tiny_model):
+    cache = H2OCache(model_spec(tiny_model), CacheConfig(policy="h2o", budget=16), rows=1)
+    sizes = []
+    for _ in range(60):
+        forward(tiny_model, cache, torch.tensor([[7]]), [1])
+        sizes.append((cache.resident_bytes(), cache.allocated_bytes()))
+    assert len(set(sizes[20:])) == 1

@@ -1,0 +1,40 @@
+import pytest
+
+from h2o_cache import CacheConfig
+
+
+def test_h2o_splits_budget_half_heavy_half_recent():
+    config = CacheConfig(policy="h2o", budget=256)
+    assert (config.heavy, config.recent, config.sinks) == (128, 128, 0)
+
+
+def test_streaming_keeps_sinks_and_recent_only():
+    config = CacheConfig(policy="streaming", budget=64)
+    assert (config.heavy, config.recent, config.sinks) == (0, 60, 4)
+
+
+def test_local_is_recent_window_only():
+    config = CacheConfig(policy="local", budget=64)
+    assert (config.heavy, config.recent, config.sinks) == (0, 64, 0)
+
+
+def test_full_never_evicts_or_rolls():
+    config = CacheConfig(policy="full", budget=1)
+    assert not config.evicts and not config.rolling
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policy": "nope"}, "unknown policy 'nope'"),
+        ({"budget": 32, "recent_window": 64}, "budget (32) is smaller than the recent window (64)"),
+        ({"policy": "streaming", "budget": 8, "sink_tokens": 8}, "budget (8) is smaller"),
+        ({"budget": 0}, "budget must be >= 1"),
+        ({"heavy_ratio": 1.5}, "heavy_ratio must be within [0, 1]"),
+        ({"prefill_chunk": 0}, "prefill_chunk must be >= 1"),
+    ],
+)
+def test_bad_arguments_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        CacheConfig(**kwargs)
+    assert message in str(error.value)
