@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from h2o_cache.config import CacheConfig
 from h2o_cache.eviction import accumulate_scores, keep_indices
 from h2o_cache.policies import get_policy
-from h2o_cache.rope import RopeTable, rotate, unrotate
+from h2o_cache.rope import RopeTable, rotate_into, unrotate
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,34 @@ class _Step:
 
 
 class H2OLayer(CacheLayerMixin):
-    """Buffers of one decoder layer. Grown by the owning `H2OCache`, never by itself."""
+    """One decoder layer's view of the cache's buffers (transformers' per-layer interface)."""
 
     is_compileable = False
 
-    def __init__(self) -> None:
+    def __init__(self, cache: H2OCache, index: int) -> None:
         super().__init__()
-        self.scores: torch.Tensor | None = None
+        self._cache = cache
+        self._index = index
+
+    @property
+    def keys(self):  # as stored: before RoPE when rolling
+        return None if self._cache._keys is None else self._cache._keys[self._index]
+
+    @property
+    def values(self):
+        return None if self._cache._values is None else self._cache._values[self._index]
+
+    @property
+    def scores(self):
+        return None if self._cache._scores is None else self._cache._scores[self._index]
+
+    @keys.setter
+    def keys(self, value):  # CacheLayerMixin.__init__ assigns None; storage belongs to the cache
+        pass
+
+    @values.setter
+    def values(self, value):
+        pass
 
     def lazy_initialization(self, key_states, value_states) -> None:
         raise NotImplementedError("H2OLayer buffers are allocated by H2OCache")
@@ -67,41 +88,13 @@ class H2OLayer(CacheLayerMixin):
         raise NotImplementedError("call H2OCache.update")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[-2] if self.keys is not None else 0, 0
+        return self._cache.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return self._cache.get_seq_length()
 
     def get_max_length(self) -> int:
         return -1
-
-    def resize(self, rows: int, capacity: int, spec: ModelSpec, with_scores: bool, keep_rows: int, keep_len: int) -> None:
-        shape = (rows, spec.num_kv_heads, capacity, spec.head_dim)
-        keys = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
-        values = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
-        scores = torch.zeros(shape[:3], device=spec.device, dtype=torch.float32) if with_scores else None
-        if self.keys is not None and keep_rows and keep_len:
-            keys[:keep_rows, :, :keep_len] = self.keys[:keep_rows, :, :keep_len]
-            values[:keep_rows, :, :keep_len] = self.values[:keep_rows, :, :keep_len]
-            if scores is not None:
-                scores[:keep_rows, :, :keep_len] = self.scores[:keep_rows, :, :keep_len]
-        self.keys, self.values, self.scores = keys, values, scores
-        self.is_initialized = True
-
-    def copy_row(self, dst: int, src_layer: H2OLayer, src: int, length: int) -> None:
-        self.keys[dst, :, :length] = src_layer.keys[src, :, :length]
-        self.values[dst, :, :length] = src_layer.values[src, :, :length]
-        if self.scores is not None:
-            self.scores[dst, :, :length] = src_layer.scores[src, :, :length]
-
-    def keep(self, rows: int, length: int, index: torch.Tensor) -> None:
-        """Compact each row and head to the slots in index [rows, H, K] (sorted)."""
-        k = index.shape[-1]
-        expanded = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys[:rows, :, :k] = self.keys[:rows, :, :length].gather(2, expanded)
-        self.values[:rows, :, :k] = self.values[:rows, :, :length].gather(2, expanded)
-        if self.scores is not None:
-            self.scores[:rows, :, :k] = self.scores[:rows, :, :length].gather(2, index)
 
 
 class H2OCache(Cache):
@@ -110,14 +103,21 @@ class H2OCache(Cache):
     Rows are added with `add_rows`/`extend` and removed with `pop`, so a continuous batcher can move
     sequences in and out between steps. Use it through `h2o_cache.Generator`, or by hand:
     `positions = cache.begin(n_new)`, a forward pass with `position_ids=positions`,
-    `past_key_values=cache, h2o_cache=cache` on a model prepared by `prepare_model`, then `cache.end()`.
+    `past_key_values=cache, h2o_cache=cache` on the model (see `hf.forward`), then `cache.end()`.
+
+    Buffers hold all layers at once, so eviction and re-rotation run as a few batched ops per step
+    instead of a few per layer:
+        _keys, _values: [L, rows, H_kv, capacity, D]  (_keys before RoPE when rolling)
+        _rotated:       [L, rows, H_kv, capacity, D]  keys rotated to their slot positions (rolling)
+        _scores:        [L, rows, H_kv, capacity] fp32 accumulated attention (scoring policies)
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
-        super().__init__(layers=[H2OLayer() for _ in range(spec.num_layers)])
         self.spec = spec
         self.config = config
         self.policy = get_policy(config.policy)
+        self._keys = self._values = self._rotated = self._scores = None
+        super().__init__(layers=[H2OLayer(self, i) for i in range(spec.num_layers)])
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -144,8 +144,7 @@ class H2OCache(Cache):
         start = self.batch_size
         self._reserve(start + other.batch_size, max([self._capacity, *other.lengths]))
         for i, length in enumerate(other.lengths):
-            for mine, theirs in zip(self.layers, other.layers):
-                mine.copy_row(start + i, theirs, i, length)
+            self._copy_row(start + i, other, i, length)
         self.lengths += other.lengths
         self.seen += other.seen
         self.pending += [list(p) for p in other.pending]
@@ -155,13 +154,11 @@ class H2OCache(Cache):
         single = H2OCache(self.spec, self.config)
         length = self.lengths[row]
         single._reserve(1, length)
-        for mine, theirs in zip(single.layers, self.layers):
-            mine.copy_row(0, theirs, row, length)
+        single._copy_row(0, self, row, length)
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
         last = self.batch_size - 1
         if row != last:
-            for layer in self.layers:
-                layer.copy_row(row, layer, last, self.lengths[last])
+            self._copy_row(row, self, last, self.lengths[last])
             self.lengths[row], self.seen[row] = self.lengths[last], self.seen[last]
             self.pending[row] = self.pending[last]
         self.lengths.pop()
@@ -169,6 +166,15 @@ class H2OCache(Cache):
         self.pending.pop()
         return single
 
+    def _buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self._keys, self._values, self._rotated, self._scores) if t is not None]
+
+    @torch.no_grad()
+    def _copy_row(self, dst: int, src: H2OCache, src_row: int, length: int) -> None:
+        for mine, theirs in zip(self._buffers(), src._buffers()):
+            mine[:, dst, :, :length] = theirs[:, src_row, :, :length]
+
+    @torch.no_grad()
     def _reserve(self, rows: int, capacity: int) -> None:
         if rows <= self._rows_capacity and capacity <= self._capacity:
             return
@@ -176,8 +182,19 @@ class H2OCache(Cache):
             capacity = max(capacity, self._capacity + self._capacity // 2)  # amortized growth (full policy)
         rows = max(rows, self._rows_capacity)
         capacity = max(capacity, self._capacity)
-        for layer in self.layers:
-            layer.resize(rows, capacity, self.spec, self.policy.needs_scores, self.batch_size, max(self.lengths, default=0))
+        spec = self.spec
+        shape = (spec.num_layers, rows, spec.num_kv_heads, capacity, spec.head_dim)
+        old = self._buffers()
+        self._keys = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
+        self._values = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
+        if self.config.rolling:
+            self._rotated = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
+        if self.policy.needs_scores:
+            self._scores = torch.zeros(shape[:4], device=spec.device, dtype=torch.float32)
+        keep_rows, keep_len = self.batch_size, max(self.lengths, default=0)
+        if old and keep_rows and keep_len:
+            for new, previous in zip(self._buffers(), old):
+                new[:, :keep_rows, :, :keep_len] = previous[:, :keep_rows, :, :keep_len]
         self._rows_capacity, self._capacity = rows, capacity
 
     # ----- one forward pass -------------------------------------------------------------------
@@ -227,31 +244,30 @@ class H2OCache(Cache):
         step = self._step
         if step is None:
             raise RuntimeError("H2OCache.update outside begin()/end(); use h2o_cache.Generator")
-        layer = self.layers[layer_idx]
         rows = self.batch_size
+        targets = [(self._values[layer_idx], value_states)]
         if self.config.rolling:
             cos, sin = self.spec.rope.get(step.kv_len)
-            key_states = unrotate(key_states.float(), cos[step.positions][:, None], sin[step.positions][:, None])
-            key_states = key_states.to(layer.keys.dtype)
+            unrotated = unrotate(key_states.float(), cos[step.positions][:, None], sin[step.positions][:, None])
+            targets += [(self._keys[layer_idx], unrotated.to(key_states.dtype)), (self._rotated[layer_idx], key_states)]
+        else:
+            targets.append((self._keys[layer_idx], key_states))
+        scores = self._scores[layer_idx] if self._scores is not None else None
         chunk = key_states.shape[2]
         if step.uniform_start is not None:
             start = step.uniform_start
-            layer.keys[:rows, :, start:start + chunk] = key_states
-            layer.values[:rows, :, start:start + chunk] = value_states
-            if layer.scores is not None:
-                layer.scores[:rows, :, start:start + chunk] = 0
+            for buffer, states in targets:
+                buffer[:rows, :, start:start + chunk] = states
+            if scores is not None:
+                scores[:rows, :, start:start + chunk] = 0
         else:
             index = step.write_slots[:, None, :].expand(-1, key_states.shape[1], -1)
-            layer.keys[:rows].scatter_(2, index[..., None].expand_as(key_states), key_states)
-            layer.values[:rows].scatter_(2, index[..., None].expand_as(value_states), value_states)
-            if layer.scores is not None:
-                layer.scores[:rows].scatter_(2, index, 0.0)
-        keys = layer.keys[:rows, :, :step.kv_len]
-        values = layer.values[:rows, :, :step.kv_len]
-        if self.config.rolling:
-            cos, sin = self.spec.rope.get(step.kv_len)
-            keys = rotate(keys.float(), cos, sin).to(values.dtype)
-        return keys, values
+            for buffer, states in targets:
+                buffer[:rows].scatter_(2, index[..., None].expand_as(states), states)
+            if scores is not None:
+                scores[:rows].scatter_(2, index, 0.0)
+        keys = (self._rotated if self.config.rolling else self._keys)[layer_idx]
+        return keys[:rows, :, :step.kv_len], self._values[layer_idx][:rows, :, :step.kv_len]
 
     def attend(self, layer_idx: int, query, keys, values, scaling: float) -> torch.Tensor:
         """Attention of the chunk's queries; accumulates each key's attention when the policy scores.
@@ -275,31 +291,38 @@ class H2OCache(Cache):
         if step.mask is not None:
             logits = logits.masked_fill(~step.mask[:, :, None], float("-inf"))
         probs = logits.softmax(dim=-1)
-        self.layers[layer_idx].scores[:b, :, :k] += accumulate_scores(probs, step.query_valid)
+        self._scores[layer_idx][:b, :, :k] += accumulate_scores(probs, step.query_valid)
         out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
         return out.view(b, h_q, c, d).transpose(1, 2)
 
+    @torch.no_grad()
     def end(self) -> None:
-        """Commit the pass: count the new tokens, then evict every row down to its budget."""
+        """Commit the pass: count the new tokens; rows over the budget are evicted down to the target."""
         step, self._step = self._step, None
         self.lengths = [n + m for n, m in zip(self.lengths, step.n_new)]
         self.seen = [n + m for n, m in zip(self.seen, step.n_new)]
-        budget = self.config.budget
-        if not self.policy.evicts or max(self.lengths) <= budget:
+        if not self.policy.evicts or max(self.lengths) <= self.config.budget:
             return
+        target = self.config.target
         rows, longest = self.batch_size, max(self.lengths)
-        lengths = torch.tensor(self.lengths, device=self.spec.device)
-        slots = torch.arange(longest, device=self.spec.device)
-        shared_index = None
-        for layer in self.layers:
-            if shared_index is None or self.policy.needs_scores:
-                scores = layer.scores[:rows, :, :longest] if layer.scores is not None else None
-                priority = self.policy.priority(scores, slots)
-                priority = priority.expand(rows, self.spec.num_kv_heads, longest)
-                index = keep_indices(priority, lengths, budget, self.config.sinks, self.config.recent)
-                shared_index = index
-            layer.keep(rows, longest, shared_index)
-        self.lengths = [min(n, budget) for n in self.lengths]
+        device = self.spec.device
+        lengths = torch.tensor(self.lengths, device=device)
+        slots = torch.arange(longest, device=device)
+        scores = self._scores[:, :rows, :, :longest] if self._scores is not None else None
+        priority = self.policy.priority(scores, slots)  # [L, B, H, N] or broadcastable to it
+        priority = priority.expand(self.spec.num_layers, rows, self.spec.num_kv_heads, longest)
+        index = keep_indices(priority, lengths, target, self.config.sinks, self.config.recent)  # [L, B, H, K]
+        kept = index.shape[-1]
+        expanded = index[..., None].expand(-1, -1, -1, -1, self.spec.head_dim)
+        for buffer in (self._keys, self._values):
+            buffer[:, :rows, :, :kept] = buffer[:, :rows, :, :longest].gather(3, expanded)
+        if scores is not None:
+            self._scores[:, :rows, :, :kept] = scores.gather(3, index)
+        if self.config.rolling:
+            # Slots moved: every kept key takes the RoPE rotation of its new slot.
+            cos, sin = self.spec.rope.get(kept)
+            rotate_into(self._rotated[:, :rows, :, :kept], self._keys[:, :rows, :, :kept], cos, sin)
+        self.lengths = [min(n, target) for n in self.lengths]
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""
@@ -311,15 +334,13 @@ class H2OCache(Cache):
         return max(self.lengths, default=0)
 
     def resident_bytes(self, row: int | None = None) -> int:
-        """Bytes held by the tokens of one row (or all rows), keys + values + scores."""
+        """Bytes held by the tokens of one row (or all rows): keys, values, rotated keys, scores."""
         tokens = sum(self.lengths) if row is None else self.lengths[row]
-        per_token = 2 * self.spec.num_kv_heads * self.spec.head_dim * self.spec.dtype.itemsize
+        copies = 3 if self.config.rolling else 2
+        per_token = copies * self.spec.num_kv_heads * self.spec.head_dim * self.spec.dtype.itemsize
         if self.policy.needs_scores:
             per_token += self.spec.num_kv_heads * 4
         return tokens * per_token * self.spec.num_layers
 
     def allocated_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.layers for t in (layer.keys, layer.values, layer.scores) if t is not None
-        )
+        return sum(t.numel() * t.element_size() for t in self._buffers())

@@ -11,11 +11,14 @@ from h2o_cache.policies import POLICIES, get_policy
 class CacheConfig:
     """Budget and policy of an `H2OCache`.
 
-    budget: tokens kept per layer and KV head once a sequence is longer (ignored by `full`).
-    heavy_ratio: share of the budget given to heavy hitters (`h2o`); the rest, less the sinks,
+    budget: most tokens a layer/KV head ever holds between passes (ignored by `full`).
+    evict_slack: a cache that outgrows its budget is evicted down to `budget - evict_slack`
+        (`target`), so compaction and re-rotation run once every `evict_slack` decode steps
+        instead of every step. Default budget // 16; 1 evicts one token per step like the paper.
+    heavy_ratio: share of the target given to heavy hitters (`h2o`); the rest, less the sinks,
         is the recent window. The H2O paper's default splits half and half.
     sink_tokens: first tokens always kept (attention sinks). `streaming` defaults to 4.
-    recent_window: explicit recent window; by default `budget - heavy - sinks`.
+    recent_window: explicit recent window; by default `target - heavy - sinks`.
     position_rolling: give cached keys the positions of their slots (0..n-1) instead of their
         original positions, so RoPE never sees a position beyond the budget.
     prefill_chunk: longest chunk of prompt fed in one forward; bounds prefill memory to
@@ -27,6 +30,7 @@ class CacheConfig:
     heavy_ratio: float = 0.5
     sink_tokens: int | None = None
     recent_window: int | None = None
+    evict_slack: int | None = None
     position_rolling: bool = True
     prefill_chunk: int = 512
 
@@ -38,21 +42,34 @@ class CacheConfig:
             return
         if self.budget < 1:
             raise ValueError(f"budget must be >= 1 token, got {self.budget}")
+        if self.evict_slack is not None and not 1 <= self.evict_slack < self.budget:
+            raise ValueError(f"evict_slack must be in [1, budget), got {self.evict_slack}")
         if not 0.0 <= self.heavy_ratio <= 1.0:
             raise ValueError(f"heavy_ratio must be within [0, 1], got {self.heavy_ratio}")
         if self.sink_tokens is not None and self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.recent_window is not None and self.recent_window < 1:
             raise ValueError(f"recent_window must be >= 1, got {self.recent_window}")
-        if self.sinks + self.recent > self.budget:
+        if self.sinks + self.recent > self.target:
             raise ValueError(
-                f"budget ({self.budget}) is smaller than the recent window ({self.recent}) "
-                f"plus sink tokens ({self.sinks}) of policy {self.policy!r}"
+                f"budget ({self.budget}, evicting down to {self.target}) is smaller than the recent "
+                f"window ({self.recent}) plus sink tokens ({self.sinks}) of policy {self.policy!r}"
             )
 
     @property
     def evicts(self) -> bool:
         return get_policy(self.policy).evicts
+
+    @property
+    def slack(self) -> int:
+        if self.evict_slack is not None:
+            return self.evict_slack
+        return max(1, self.budget // 16)
+
+    @property
+    def target(self) -> int:
+        """Tokens kept per layer/head right after an eviction."""
+        return self.budget - self.slack
 
     @property
     def sinks(self) -> int:
@@ -62,18 +79,18 @@ class CacheConfig:
 
     @property
     def heavy(self) -> int:
-        """Heavy-hitter slots: the part of the budget chosen by score rather than recency."""
+        """Heavy-hitter slots at eviction: the part of the target chosen by score, not recency."""
         if not get_policy(self.policy).uses_heavy_hitters:
             return 0
         if self.recent_window is not None:
-            return max(self.budget - self.sinks - self.recent_window, 0)
-        return int(self.budget * self.heavy_ratio)
+            return max(self.target - self.sinks - self.recent_window, 0)
+        return int(self.target * self.heavy_ratio)
 
     @property
     def recent(self) -> int:
         if self.recent_window is not None:
             return self.recent_window
-        return max(self.budget - self.heavy - self.sinks, 1)
+        return max(self.target - self.heavy - self.sinks, 1)
 
     @property
     def rolling(self) -> bool:
@@ -86,7 +103,7 @@ class CacheConfig:
         rolling = "rolling" if self.rolling else "no-rolling"
         return (
             f"{self.policy}(budget={self.budget}, heavy={self.heavy}, recent={self.recent}, "
-            f"sinks={self.sinks}, {rolling})"
+            f"sinks={self.sinks}, slack={self.slack}, {rolling})"
         )
 
 

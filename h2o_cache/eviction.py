@@ -14,9 +14,10 @@ def keep_indices(
 ) -> torch.Tensor:
     """Slots to keep per row and head, in arrival order.
 
-    priority: [B, H, N] fp32, higher is kept first (N >= max(lengths)).
+    priority: [..., B, H, N] fp32, higher is kept first (N >= max(lengths)); leading dims (layers)
+        are independent.
     lengths: [B] int64, valid slots of each row; rows of `lengths <= budget` keep everything.
-    Returns [B, H, min(budget, N)] int64, sorted ascending: the sinks, the `recent` newest slots
+    Returns [..., B, H, min(budget, N)] int64, sorted ascending: the sinks, the `recent` newest slots
     and the highest-priority others. For a row shorter than the budget, the valid slots come
     first and the rest is padding beyond its length.
     """

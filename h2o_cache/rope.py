@@ -21,6 +21,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotate_half(x) * sin
 
 
+def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """out = rotate(x, cos, sin) without full-size temporaries: the hot path of re-rotation.
+
+    Assumes transformers' layout, where cos and sin repeat the same half twice.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)
+    torch.mul(x1, c, out=out[..., :half])
+    out[..., :half].addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=out[..., half:])
+    out[..., half:].addcmul_(x1, s)
+
+
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of `rotate`, exact for any scaling s of cos = s cos t, sin = s sin t."""
     return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)

@@ -1,6 +1,6 @@
 import torch
 
-from h2o_cache.rope import rotate, unrotate
+from h2o_cache.rope import rotate, rotate_into, unrotate
 
 
 def test_unrotate_inverts_rotate_even_with_attention_scaling():
@@ -26,3 +26,14 @@ def test_rotation_by_slot_keeps_only_relative_positions():
     far = (rotate(q, *table(9000)) * rotate(k, *table(8990))).sum()
     near = (rotate(q, *table(10)) * rotate(k, *table(0))).sum()
     assert torch.allclose(far, near, atol=1e-3)
+
+
+def test_rotate_into_matches_rotate_and_writes_in_place():
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 5, 8)
+    angles = torch.randn(5, 4)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    buffer = torch.zeros(2, 3, 9, 8)
+    rotate_into(buffer[:, :, :5], x, cos, sin)
+    assert torch.allclose(buffer[:, :, :5], rotate(x, cos, sin), atol=1e-6)
+    assert buffer[:, :, 5:].abs().sum() == 0
