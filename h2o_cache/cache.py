@@ -303,15 +303,18 @@ class H2OCache(Cache):
         self.seen = [n + m for n, m in zip(self.seen, step.n_new)]
         if not self.policy.evicts or max(self.lengths) <= self.config.budget:
             return
-        target = self.config.target
+        budget, target = self.config.budget, self.config.target
         rows, longest = self.batch_size, max(self.lengths)
         device = self.spec.device
-        lengths = torch.tensor(self.lengths, device=device)
-        slots = torch.arange(longest, device=device)
+        # Only rows over the budget are evicted, so a row evolves the same whatever its batch.
+        keep = [target if n > budget else n for n in self.lengths]
         scores = self._scores[:, :rows, :, :longest] if self._scores is not None else None
-        priority = self.policy.priority(scores, slots)  # [L, B, H, N] or broadcastable to it
+        priority = self.policy.priority(scores, torch.arange(longest, device=device))
         priority = priority.expand(self.spec.num_layers, rows, self.spec.num_kv_heads, longest)
-        index = keep_indices(priority, lengths, target, self.config.sinks, self.config.recent)  # [L, B, H, K]
+        index = keep_indices(  # [L, B, H, max(keep)]
+            priority, torch.tensor(self.lengths, device=device), torch.tensor(keep, device=device),
+            self.config.sinks, self.config.recent,
+        )
         kept = index.shape[-1]
         expanded = index[..., None].expand(-1, -1, -1, -1, self.spec.head_dim)
         for buffer in (self._keys, self._values):
@@ -322,7 +325,7 @@ class H2OCache(Cache):
             # Slots moved: every kept key takes the RoPE rotation of its new slot.
             cos, sin = self.spec.rope.get(kept)
             rotate_into(self._rotated[:, :rows, :, :kept], self._keys[:, :rows, :, :kept], cos, sin)
-        self.lengths = [min(n, target) for n in self.lengths]
+        self.lengths = keep
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""

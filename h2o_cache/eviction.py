@@ -8,7 +8,7 @@ import torch
 def keep_indices(
     priority: torch.Tensor,
     lengths: torch.Tensor,
-    budget: int,
+    keep: torch.Tensor,
     sinks: int,
     recent: int,
 ) -> torch.Tensor:
@@ -16,19 +16,22 @@ def keep_indices(
 
     priority: [..., B, H, N] fp32, higher is kept first (N >= max(lengths)); leading dims (layers)
         are independent.
-    lengths: [B] int64, valid slots of each row; rows of `lengths <= budget` keep everything.
-    Returns [..., B, H, min(budget, N)] int64, sorted ascending: the sinks, the `recent` newest slots
-    and the highest-priority others. For a row shorter than the budget, the valid slots come
-    first and the rest is padding beyond its length.
+    lengths: [B] int64, valid slots of each row.
+    keep: [B] int64, slots each row keeps (<= lengths; == lengths keeps the row as it is).
+    Returns [..., B, H, max(keep)] int64: per row and head, its sinks, its `recent` newest slots and
+    its highest-priority other slots, ascending; a row keeping fewer than max(keep) is padded with
+    slots beyond what it keeps.
     """
     n = priority.shape[-1]
     slots = torch.arange(n, device=priority.device)
     length = lengths[:, None, None]
     valid = slots < length
-    protected = (slots < sinks) | (slots >= length - recent) | (length <= budget)
+    protected = (slots < sinks) | (slots >= length - recent) | (keep == lengths)[:, None, None]
     ranked = priority.masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
-    keep = ranked.topk(min(budget, n), dim=-1, sorted=False).indices
-    return keep.sort(dim=-1).values
+    width = int(keep.max())
+    best = ranked.topk(width, dim=-1).indices  # by priority, best first
+    chosen = torch.arange(width, device=priority.device) < keep[:, None, None]
+    return best.masked_fill(~chosen, n).sort(dim=-1).values.clamp_(max=n - 1)
 
 
 def accumulate_scores(

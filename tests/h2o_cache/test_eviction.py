@@ -18,8 +18,9 @@ def test_keep_indices_invariants(lengths, budget, sinks, recent_share, seed):
     n = max(lengths)
     generator = torch.Generator().manual_seed(seed)
     priority = torch.rand(len(lengths), 3, n, generator=generator)
-    keep = keep_indices(priority, torch.tensor(lengths), budget, sinks, recent)
-    assert keep.shape == (len(lengths), 3, min(budget, n))
+    counts = torch.tensor([min(length, budget) for length in lengths])
+    keep = keep_indices(priority, torch.tensor(lengths), counts, sinks, recent)
+    assert keep.shape == (len(lengths), 3, int(counts.max()))
     for b, length in enumerate(lengths):
         for h in range(3):
             kept = keep[b, h].tolist()
@@ -39,9 +40,17 @@ def test_keep_indices_invariants(lengths, budget, sinks, recent_share, seed):
 
 def test_keep_indices_choose_per_head_independently():
     priority = torch.tensor([[[5.0, 0, 0, 0, 0], [0, 0, 5.0, 0, 0]]])
-    keep = keep_indices(priority, torch.tensor([5]), budget=3, sinks=0, recent=2)
+    keep = keep_indices(priority, torch.tensor([5]), torch.tensor([3]), sinks=0, recent=2)
     assert keep[0, 0].tolist() == [0, 3, 4]
     assert keep[0, 1].tolist() == [2, 3, 4]
+
+
+def test_rows_that_fit_are_kept_whole_beside_rows_that_are_evicted():
+    priority = torch.rand(2, 1, 6)
+    keep = keep_indices(priority, torch.tensor([6, 5]), torch.tensor([3, 5]), sinks=0, recent=1)
+    assert keep.shape == (2, 1, 5)
+    assert keep[1, 0].tolist() == [0, 1, 2, 3, 4]
+    assert keep[0, 0, :3].tolist() == sorted(keep[0, 0, :3].tolist()) and keep[0, 0, 2] == 5
 
 
 def test_accumulate_scores_reduces_over_group_and_queries_but_not_batch():
