@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,3 +58,16 @@ def default_model():
     from h2o_cache import load_model
 
     return load_model()
+
+
+DATA_DIR = Path(os.environ.get("H2O_DATA_DIR", Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+
+
+def shared_data(name: str) -> Path:
+    """A file of the shared data set beside the repo; CI must have it, elsewhere the test is skipped."""
+    path = DATA_DIR / name
+    if not path.is_file():
+        if os.environ.get("CI"):
+            raise FileNotFoundError(f"{path} is missing: CI must provide ../shared/data beside the repo")
+        pytest.skip(f"{path} not found (set H2O_DATA_DIR to the folder holding {name})")
+    return path

@@ -1,15 +1,13 @@
 """The cache on the real default model (SmolLM2-135M-Instruct: 30 layers, 9 query / 3 KV heads)."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import DynamicCache
 
 from h2o_cache import CacheConfig, Generator, SamplingParams
+from tests.conftest import shared_data
 
 pytestmark = pytest.mark.model
-BOTCHAN = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "botchan.txt"
 
 
 def chat_turn(tokenizer, question):
@@ -35,7 +33,7 @@ def test_gqa_model_matches_plain_transformers_when_budget_covers_everything(defa
 def test_20k_tokens_at_budget_256_in_bounded_memory_and_still_answering(default_model):
     """20k tokens is far past the model's 8192 positions; rolling keeps RoPE within the budget."""
     model, tokenizer = default_model
-    text = tokenizer.encode(BOTCHAN.read_text())[:20_000]
+    text = tokenizer.encode(shared_data("botchan.txt").read_text())[:20_000]
     gen = Generator(model, tokenizer, CacheConfig(policy="h2o", budget=256, prefill_chunk=512))
     cache = gen.new_cache(1)
     allocated = []
