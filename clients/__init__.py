@@ -1,0 +1,1 @@
+"""Programs that talk to the chat server over HTTP only: chat, the MT-Bench demo, load benchmarks."""

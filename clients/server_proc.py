@@ -1,0 +1,57 @@
+"""Start `python -m server` as a child process on a free loopback port, for benchmarks and tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+class ServerFailed(Exception):
+    """The child exited or never became healthy; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def spawned_server(policy: str, args: list[str] = (), log: Path = Path("server.log"), ready_timeout: float = 600.0):
+    """Yield the base URL of a healthy server running `--policy policy *args`; always stop it after."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *args]
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise ServerFailed(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{_tail(log)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerFailed(f"{url} not healthy after {ready_timeout:.0f} s:\n{_tail(log)}")
+            time.sleep(0.5)  # loading the model: polling slowly leaves it the CPU
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,69 @@
+"""A tiny stand-in for `python -m server`: the same HTTP contract, words as tokens, no model.
+
+It lets the client tests run in a second without loading a model. The contract it follows:
+SSE chunks, a final usage chunk with the server extras, an X-Session-ID header on every response,
+session continuation by header, and the one error shape (context_length_exceeded past `context_limit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+def error(status: int, message: str, code: str, type_: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status)
+
+
+def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001) -> FastAPI:
+    app = FastAPI()
+    sessions: dict[str, int] = {}  # session id -> conversation length in tokens (words)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        sid = request.headers.get("x-session-id")
+        if sid and sid not in sessions:
+            return error(404, f"session {sid} not found", "session_not_found")
+        new_tokens = sum(len(m["content"].split()) for m in body["messages"])
+        prompt = sessions.get(sid, 0) + new_tokens
+        n = body.get("max_tokens") or 16
+        if prompt + n > context_limit:
+            return error(400, f"conversation of {prompt} tokens exceeds {context_limit}", "context_length_exceeded")
+        sid = sid or uuid.uuid4().hex
+        sessions[sid] = prompt + n
+        fail = "FAIL_MIDSTREAM" in body["messages"][-1]["content"]
+
+        async def frames():
+            base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake-model"}
+            for i in range(n):
+                if fail and i == 2:
+                    err = {"error": {"message": "engine failed", "type": "server_error", "param": None,
+                                     "code": "generation_failed"}}
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
+                    return
+                await asyncio.sleep(delay)
+                delta = {"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}
+                yield f"data: {json.dumps({**base, 'choices': [delta]})}\n\n"
+            done = {"index": 0, "delta": {}, "finish_reason": "length"}
+            yield f"data: {json.dumps({**base, 'choices': [done]})}\n\n"
+            usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                     "prompt_tokens_details": {"cached_tokens": prompt - new_tokens},
+                     "kv_resident_tokens": min(prompt + n, budget), "conversation_tokens": prompt + n}
+            yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers={"X-Session-ID": sid})
+
+    return app

@@ -1,0 +1,42 @@
+"""The MT-Bench demo as a program: CSV and plot for a couple of turns, failures recorded, clear errors."""
+
+import csv
+
+from tests.clients.conftest import run_client
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_two_turns_write_csv_and_png(fake_server, tmp_path):
+    r = run_client("mtbench_demo", "--base-url", fake_server, "--label", "h2o", "--turns", "2",
+                   "--max-tokens", "4", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "assistant: w0 w1 w2 w3" in r.stdout  # the reply streamed to the terminal
+    got = rows(tmp_path / "h2o.csv")
+    assert [(g["turn"], g["question_id"], g["question_turn"]) for g in got] == [("1", "81", "1"), ("2", "81", "2")]
+    assert all(float(g["ttft_s"]) > 0 and g["kv_resident_tokens"] and not g["error"] for g in got)
+    assert int(got[1]["conversation_tokens"]) > int(got[0]["conversation_tokens"])
+    assert (tmp_path / "mtbench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_failed_turn_is_recorded_plotted_and_reported(fake_server, small_context_server, tmp_path):
+    r = run_client("mtbench_demo", "--base-url", fake_server, "--label", "h2o", "--base-url", small_context_server,
+                   "--label", "full", "--turns", "6", "--max-tokens", "4", "--quiet", "--history", "session",
+                   "--out", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
+    full = rows(tmp_path / "full.csv")
+    assert "context_length_exceeded" in full[-1]["error"] and not any(g["error"] for g in full[:-1])
+    assert len(rows(tmp_path / "h2o.csv")) == 6
+    assert f"full: {len(full) - 1} turns ok" in r.stdout and "FAILED at turn" in r.stdout
+    replot = run_client("mtbench_demo", "--plot", str(tmp_path / "h2o.csv"), str(tmp_path / "full.csv"),
+                        "--out", str(tmp_path / "replot"))
+    assert (tmp_path / "replot" / "mtbench.png").exists()
+
+
+def test_unreachable_server_is_a_clear_error(dead_url, tmp_path):
+    r = run_client("mtbench_demo", "--base-url", dead_url, "--turns", "1", "--out", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "not ready: cannot connect" in r.stderr
