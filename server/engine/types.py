@@ -80,3 +80,33 @@ class PromptTooLong(EngineError):
 
 class GenerationFailed(EngineError):
     pass
+
+
+@dataclass
+class Histogram:
+    """Prometheus-style histogram of a duration in seconds.
+
+    counts[i] is the number of observations <= bounds[i] (cumulative); `count` is the +Inf bucket.
+    """
+
+    bounds: tuple[float, ...]
+    counts: list[int]
+    sum: float = 0.0
+    count: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for /metrics and /health; totals count since the engine started."""
+
+    active_sessions: int  # sessions kept (idle or busy)
+    running: int  # sequences in the decode batch
+    waiting: int  # sequences queued or prefilling
+    resident_kv_tokens: int  # tokens held per layer/head, summed over every session's cache
+    resident_kv_bytes: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    cached_tokens_total: int  # prompt tokens served from sessions instead of prefilled
+    decode_steps_total: int
+    decode_step_seconds: Histogram
+    requests_by_finish: dict[str, int]  # "stop" | "length" | "cancelled" | "error" -> count

@@ -1,0 +1,182 @@
+"""`Batcher`: the engine thread. Each iteration: drop cancelled, prefill one chunk, decode one step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from server.engine.metrics import EngineMetrics
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence, Status
+from server.engine.sessions import SessionStore
+from server.engine.types import Delta, Finish, GenerationFailed, Usage
+
+log = logging.getLogger(__name__)
+
+
+class Batcher:
+    """Continuous batching on one thread, the only one that runs the model.
+
+    A waiting sequence is prefilled one chunk per iteration on its own 1-row cache, so a long prompt
+    delays the running batch by one chunk per step rather than stalling it; once prefilled it samples
+    its first token and joins the batch cache. Every running row then advances one token per step.
+    The thread sleeps on the scheduler's condition whenever nothing is queued or running.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sessions: SessionStore, metrics: EngineMetrics):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sessions = sessions
+        self.metrics = metrics
+        self.generator = runner.generator
+        self.resident = (0, 0)  # (tokens, bytes) in the caches of sequences in flight
+        self._thread: threading.Thread | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while self.scheduler.wait_for_work():
+            try:
+                self.step()
+            except Exception:  # a bug outside any one sequence: fail them all, keep serving
+                log.exception("engine step failed")
+                for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                    self._fail(seq, GenerationFailed("internal error in the engine"))
+        for seq in self.scheduler.drain():
+            self._fail(seq, GenerationFailed("the engine stopped"))
+
+    def step(self) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.cancelled:
+                self._cancel(seq)
+        seq = self.scheduler.next_prefill()
+        if seq is not None:
+            self._prefill(seq)
+        if self.scheduler.running:
+            self._decode()
+        caches = [self.scheduler.batch] + [s.cache for s in self.scheduler.waiting if s.cache is not None]
+        self.resident = (sum(sum(c.lengths) for c in caches), sum(c.resident_bytes() for c in caches))
+
+    # ----- model work -------------------------------------------------------------------------
+
+    def _prefill(self, seq: Sequence) -> None:
+        try:
+            if seq.sampler is None:
+                seq.start(seq.cache or self.generator.new_cache(1), self.generator.tokenizer)
+            logits = self.runner.prefill(seq)
+            if logits is None:
+                return
+            reason = self._sample(seq, logits, seq.cache)
+        except Exception as error:
+            log.exception("prefill failed for request %s", seq.request_id)
+            self._fail(seq, error)
+            return
+        if reason:
+            self._finish(seq, reason)
+        else:
+            self.scheduler.join(seq)
+
+    def _decode(self) -> None:
+        batch = self.scheduler.batch
+        running = list(self.scheduler.running)
+        start = time.perf_counter()
+        results = self.runner.decode(batch)
+        self.metrics.observe_step(time.perf_counter() - start)
+        done: list[tuple[Sequence, str | Exception]] = []
+        for row, (seq, logits) in enumerate(zip(running, results)):
+            try:
+                if isinstance(logits, Exception):
+                    raise logits
+                reason = self._sample(seq, logits, batch, row)
+            except Exception as error:
+                log.exception("decode failed for request %s", seq.request_id)
+                reason = error
+            if reason:
+                done.append((seq, reason))
+        for seq, reason in done:  # after the loop: leaving moves rows
+            if isinstance(reason, Exception):
+                self._fail(seq, reason)
+            else:
+                self._finish(seq, reason)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, cache, row: int = 0) -> str | None:
+        """Sample the next token; it becomes the row's pending token. Returns a finish reason or None."""
+        sample = seq.sampler(logits)
+        cache.pending[row] = [sample.token]
+        delta, reason = seq.append(sample, self.generator.eos_token_ids)
+        if delta is not None:
+            self._emit(seq, delta)
+        return reason
+
+    def _emit(self, seq: Sequence, item) -> None:
+        if not seq.channel.put(item):
+            seq.cancelled = True  # nobody is listening any more
+
+    # ----- endings ----------------------------------------------------------------------------
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence that produced tokens ("stop", "length", or "cancelled" midway).
+
+        Its session keeps everything: the cache with the reply in it, the reply as the assistant's
+        message, and `consumed_text` to match, so the next turn continues from here.
+        """
+        cache = self.scheduler.leave(seq)
+        tail = seq.decoder.flush()
+        session = seq.session
+        session.cache = cache
+        session.consumed_text = seq.turn.prompt_text + self.generator.tokenizer.decode(
+            seq.output_ids, skip_special_tokens=False)
+        self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
+        self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
+        if reason == "cancelled":
+            return
+        if tail:
+            self._emit(seq, Delta(tail))
+        usage = Usage(
+            prompt_tokens=seq.turn.prompt_tokens,
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.turn.cached_tokens,
+            kv_resident_tokens=cache.lengths[0],
+            conversation_tokens=cache.seen[0] + len(cache.pending[0]),
+        )
+        self._emit(seq, Finish(reason, usage))
+
+    def _cancel(self, seq: Sequence) -> None:
+        if seq.output_ids:
+            self._finish(seq, "cancelled")
+            return
+        # Cancelled before its first token: an untouched cache goes back as it was; a partly
+        # prefilled one matches no text, so the session forgets it and its messages stay as before.
+        cache = self.scheduler.leave(seq)
+        if seq.prefilled == 0 and seq.turn.continues:
+            seq.session.cache = cache
+        else:
+            seq.session.reset()
+        self.sessions.release(seq.session)
+        self.metrics.record_request("cancelled", seq.turn.prompt_tokens, seq.turn.cached_tokens, 0)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End a sequence with GenerationFailed; its session keeps its messages but not its cache."""
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.leave(seq)
+        seq.session.reset()
+        self.sessions.release(seq.session)
+        self.metrics.record_request("error", seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
+        failure = error if isinstance(error, GenerationFailed) else GenerationFailed(f"generation failed: {error}")
+        seq.channel.put(failure)

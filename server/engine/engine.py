@@ -1,0 +1,101 @@
+"""`Engine`: the facade the HTTP layer calls: submit a chat request, stream its reply, read stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from h2o_cache import CacheConfig, Generator
+from server.engine.batcher import Batcher
+from server.engine.handle import Channel, Handle
+from server.engine.metrics import EngineMetrics
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence
+from server.engine.sessions import SessionStore
+from server.engine.turn import Render, check_length, plan_turn, template_renderer
+from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats
+
+
+class Engine:
+    """Chat generation with continuous batching and per-conversation budgeted KV caches.
+
+    render: (messages, add_generation_prompt) -> prompt text; the tokenizer's chat template by default.
+    clock: monotonic seconds, for session expiry (injectable in tests).
+    """
+
+    def __init__(self, model, tokenizer, cache_config: CacheConfig, config: EngineConfig = EngineConfig(),
+                 render: Render | None = None, clock: Callable[[], float] = time.monotonic):
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config
+        self.config = config
+        self.render = render or template_renderer(tokenizer)
+        self.generator = Generator(model, tokenizer, cache_config)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock)
+        self.scheduler = Scheduler(self.generator.new_cache(0), config.max_batch_size, config.max_queue)
+        self.metrics = EngineMetrics()
+        self.batcher = Batcher(self.scheduler, ModelRunner(self.generator, config.prefill_chunk), self.sessions,
+                               self.metrics)
+
+    def start(self) -> None:
+        """Start the background thread that owns the model."""
+        self.batcher.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it; requests still in flight fail with GenerationFailed."""
+        self.batcher.stop()
+
+    @property
+    def ready(self) -> bool:
+        return self.batcher.alive
+
+    async def submit(self, request: ChatRequest) -> Handle:
+        """Queue a request; returns its stream.
+
+        Raises before anything streams: EngineNotReady, QueueFull, SessionNotFound (also for another
+        owner's session), SessionBusy (a reply for that session is still being generated) or
+        PromptTooLong.
+        """
+        if not self.ready:
+            raise EngineNotReady("the engine is not running")
+        self.scheduler.reserve()
+        try:
+            session, conversation = self.sessions.claim(request.owner, request.messages, request.session_id)
+        except BaseException:
+            self.scheduler.unreserve()
+            raise
+        try:
+            # Rendering and tokenizing a long history takes a while; keep it off the event loop.
+            turn = await asyncio.to_thread(plan_turn, session, conversation, self.render, self.tokenizer)
+            check_length(turn, request.params, self.cache_config, self.config)
+        except BaseException:
+            self.sessions.release(session)
+            self.scheduler.unreserve()
+            raise
+        cache, session.cache = session.cache, None
+        seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id,
+                       cache=cache if turn.continues else None)
+        self.scheduler.add(seq)
+        return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
+                      on_cancel=lambda: self._cancel(seq))
+
+    def _cancel(self, seq: Sequence) -> None:
+        seq.cancelled = True
+        self.scheduler.wake()
+
+    def stats(self) -> EngineStats:
+        self.sessions.expire()
+        idle_tokens, idle_bytes = self.sessions.resident()
+        busy_tokens, busy_bytes = self.batcher.resident
+        totals, step_seconds = self.metrics.snapshot()
+        running = len(self.scheduler.running)
+        return EngineStats(
+            active_sessions=len(self.sessions),
+            running=running,
+            waiting=max(self.scheduler.in_flight - running, 0),
+            resident_kv_tokens=idle_tokens + busy_tokens,
+            resident_kv_bytes=idle_bytes + busy_bytes,
+            decode_step_seconds=step_seconds,
+            **totals,
+        )

@@ -1,0 +1,110 @@
+"""`Scheduler`: the waiting queue, the running batch and the batch cache whose rows they occupy."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from h2o_cache import H2OCache
+from server.engine.sequence import Sequence, Status
+from server.engine.types import QueueFull
+
+
+class Scheduler:
+    """Admission and the mapping between running sequences and rows of the batch cache.
+
+    `running[i]` is row i of `batch`. `H2OCache.pop` moves the last row into the freed one, and
+    `leave` mirrors that move, so the two never disagree.
+
+    `reserve`/`add`/`wake` are called from the asyncio thread; everything else from the engine thread.
+    """
+
+    def __init__(self, batch: H2OCache, max_batch_size: int, max_queue: int):
+        self.batch = batch
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._inbox: deque[Sequence] = deque()
+        self._in_flight = 0  # reserved, waiting or running: what max_queue bounds
+        self._stopping = False
+        self._cond = threading.Condition()
+
+    # ----- asyncio thread -----------------------------------------------------------------------
+
+    def reserve(self) -> None:
+        """Hold a place for a request about to be submitted, or raise QueueFull."""
+        with self._cond:
+            if self._in_flight >= self.max_queue:
+                raise QueueFull(f"{self._in_flight} requests are waiting or running (max_queue={self.max_queue})")
+            self._in_flight += 1
+
+    def unreserve(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence whose place was reserved; wakes the engine thread."""
+        with self._cond:
+            self._inbox.append(seq)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    # ----- engine thread ------------------------------------------------------------------------
+
+    def wait_for_work(self) -> bool:
+        """Block until there is something to do; False once stopping. Moves newcomers to `waiting`."""
+        with self._cond:
+            while not (self._stopping or self._inbox or self.waiting or self.running):
+                self._cond.wait()
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            return not self._stopping
+
+    def next_prefill(self) -> Sequence | None:
+        """The oldest waiting sequence, when the batch has a row free for it once prefilled."""
+        if self.waiting and len(self.running) < self.max_batch_size:
+            return self.waiting[0]
+        return None
+
+    def join(self, seq: Sequence) -> None:
+        """Move a prefilled sequence's 1-row cache into the batch as its last row."""
+        self.waiting.remove(seq)
+        self.batch.extend(seq.cache)
+        seq.cache = None
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def leave(self, seq: Sequence) -> H2OCache | None:
+        """Take a sequence out of the queue or the batch; returns its 1-row cache."""
+        if seq.status is Status.RUNNING:
+            row = self.running.index(seq)
+            seq.cache = self.batch.pop(row)
+            self.running[row] = self.running[-1]
+            self.running.pop()
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        with self._cond:
+            self._in_flight -= 1
+        cache, seq.cache = seq.cache, None
+        return cache
+
+    def drain(self) -> list[Sequence]:
+        """Every sequence not finished, for shutdown."""
+        with self._cond:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        return [*self.waiting, *self.running]
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight

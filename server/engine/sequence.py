@@ -1,0 +1,75 @@
+"""`Sequence`: one request in flight, from the waiting queue through prefill and decode to its finish."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder
+from server.engine.handle import Channel
+from server.engine.session import Session
+from server.engine.turn import Turn
+from server.engine.types import Delta
+
+
+class Status(Enum):
+    WAITING = auto()  # queued or prefilling on its own 1-row cache
+    RUNNING = auto()  # a row of the decode batch
+    FINISHED = auto()
+
+
+@dataclass
+class Sequence:
+    """A request's generation state, owned by the engine thread once submitted.
+
+    While WAITING, `cache` is the session's 1-row cache (None: a fresh one is made) and `prefilled`
+    counts the tokens of `turn.prefill` fed so far. While RUNNING, its row of the batch cache holds
+    the state and `cache` is None; the row's pending token is the last one sampled.
+    """
+
+    session: Session
+    turn: Turn
+    params: SamplingParams
+    channel: Channel
+    request_id: str = ""
+    status: Status = Status.WAITING
+    cache: H2OCache | None = None
+    prefilled: int = 0
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+    output_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False  # set from the asyncio thread; read by the engine thread between steps
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled == len(self.turn.prefill)
+
+    def next_chunk(self, size: int) -> list[int]:
+        return self.turn.prefill[self.prefilled:self.prefilled + size]
+
+    def start(self, cache: H2OCache, tokenizer) -> None:
+        """Take the cache to prefill; its pending token now leads `turn.prefill`."""
+        self.cache = cache
+        cache.pending[0] = []
+        self.sampler = Sampler(self.params, cache.spec.device)
+        self.decoder = StreamDecoder(tokenizer, self.params.stop)
+
+    def append(self, sample: Sample, eos_token_ids: set[int]) -> tuple[Delta | None, str | None]:
+        """Record a sampled token. Returns the delta to stream (None for an end token) and the
+        finish reason once the sequence is done ("stop" | "length"), as `Generator.generate` decides."""
+        p = self.params
+        self.output_ids.append(sample.token)
+        logprobs = [sample] if p.logprobs is not None else []
+        if sample.token in eos_token_ids and not p.ignore_eos or sample.token in p.stop_token_ids:
+            return None, "stop"
+        delta = Delta(self.decoder.push(sample.token), [sample.token], logprobs)
+        if self.decoder.stopped:
+            return delta, "stop"
+        if len(self.output_ids) >= p.max_new_tokens:
+            return delta, "length"
+        return delta, None
+
+    @property
+    def reply(self) -> str:
+        """The reply's text as streamed: what the decoder emitted, held-back text included at finish."""
+        return self.decoder.text if self.decoder is not None else ""

@@ -1,0 +1,59 @@
+"""One conversation kept between requests: its messages and the 1-row KV cache that consumed them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from h2o_cache import H2OCache
+
+
+@dataclass
+class Session:
+    """A conversation and its cache.
+
+    `consumed_text` is exactly the text `cache` has consumed, its pending token included: the rendered
+    prompt of the last turn followed by the decoded reply tokens. A new turn reuses the cache only
+    when the newly rendered conversation starts with this text (see `turn.plan_turn`).
+
+    While `busy`, the request in flight owns `cache` (None meanwhile) and the engine thread is the
+    only writer of the fields below; otherwise the `SessionStore` lock guards them.
+    """
+
+    id: str
+    owner: str
+    messages: list[dict] = field(default_factory=list)  # whole conversation, replies the server produced included
+    cache: H2OCache | None = None  # None: nothing consumed yet (or reset after a failure)
+    consumed_text: str = ""
+    last_used: float = 0.0  # time.monotonic() seconds
+    busy: bool = False
+    key: str | None = None  # its entry in the store's prefix index: conversation_key(owner, messages)
+
+    @property
+    def resident_tokens(self) -> int:
+        return self.cache.lengths[0] if self.cache is not None else 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.cache.resident_bytes(0) if self.cache is not None else 0
+
+    def reset(self) -> None:
+        """Forget the cache (after a failed or interrupted prefill); the next turn prefills it all."""
+        self.cache = None
+        self.consumed_text = ""
+
+
+def conversation_keys(owner: str, messages: list[dict]) -> list[str]:
+    """Chained hashes of every prefix: keys[k] identifies (owner, messages[:k + 1]).
+
+    Only role and content are hashed: a client echoing a reply with extra fields still matches, and
+    `plan_turn` checks the rendered text before any cache is reused.
+    """
+    digest = hashlib.sha256(owner.encode())
+    keys = []
+    for message in messages:
+        part = json.dumps([message.get("role"), message.get("content")], ensure_ascii=False)
+        digest.update(part.encode())
+        keys.append(digest.copy().hexdigest())
+    return keys

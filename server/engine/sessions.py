@@ -1,0 +1,125 @@
+"""`SessionStore`: the live sessions, found by id or by a prefix of a re-sent history."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from server.engine.session import Session, conversation_keys
+from server.engine.types import SessionBusy, SessionNotFound
+
+
+class SessionStore:
+    """Sessions by id (least recently used first) plus an index of (owner, messages) hashes.
+
+    `claim` marks a session busy for one request and `release` hands it back; busy sessions are
+    never dropped. Idle ones go after `ttl` seconds or, beyond `max_sessions`, least recently used
+    first. Called from the asyncio thread (claim) and the engine thread (release, reset), hence the lock.
+    """
+
+    def __init__(self, max_sessions: int, ttl: float, clock: Callable[[], float] = time.monotonic):
+        self.max_sessions = max_sessions
+        self.ttl = ttl
+        self.clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._by_key: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def claim(self, owner: str, messages: list[dict], session_id: str | None) -> tuple[Session, list[dict]]:
+        """Find or create the session a request continues; mark it busy.
+
+        Returns the session and the whole conversation: the session's messages plus the new ones
+        when `session_id` is given, else `messages` (a re-sent history). A re-sent history continues
+        the idle session of the same owner whose messages are its longest strict prefix; a busy
+        match is skipped (the request starts afresh) rather than refused, because the client did
+        not ask for that session.
+        """
+        with self._lock:
+            self._expire()
+            if session_id is not None:
+                session = self._sessions.get(session_id)
+                if session is None or session.owner != owner:
+                    raise SessionNotFound(f"session {session_id!r} not found")
+                if session.busy:
+                    raise SessionBusy(f"session {session_id!r} is generating a reply")
+                conversation = session.messages + messages
+            else:
+                session = self._find_prefix(owner, messages) or self._create(owner)
+                conversation = list(messages)
+            session.busy = True
+            self._touch(session)
+            self._expire()  # a new session may push the count over max_sessions
+            return session, conversation
+
+    def release(self, session: Session, messages: list[dict] | None = None) -> None:
+        """Hand a session back after a turn; `messages` replaces its conversation when given."""
+        with self._lock:
+            if messages is not None:
+                self._unindex(session)
+                session.messages = messages
+                self._index(session)
+            session.busy = False
+            self._touch(session)
+            self._expire()
+
+    def resident(self) -> tuple[int, int]:
+        """(tokens, bytes) held by the caches of idle sessions."""
+        with self._lock:
+            idle = [s for s in self._sessions.values() if not s.busy]
+            return sum(s.resident_tokens for s in idle), sum(s.resident_bytes for s in idle)
+
+    def expire(self) -> None:
+        with self._lock:
+            self._expire()
+
+    def _find_prefix(self, owner: str, messages: list[dict]) -> Session | None:
+        keys = conversation_keys(owner, messages)[:-1]
+        for key in reversed(keys):
+            for session_id in self._by_key.get(key, ()):
+                session = self._sessions[session_id]
+                if not session.busy:
+                    return session
+        return None
+
+    def _create(self, owner: str) -> Session:
+        session = Session(id=secrets.token_urlsafe(24), owner=owner, last_used=self.clock())
+        self._sessions[session.id] = session
+        self._index(session)
+        return session
+
+    def _touch(self, session: Session) -> None:
+        session.last_used = self.clock()
+        self._sessions.move_to_end(session.id)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        excess = len(self._sessions) - self.max_sessions
+        for session in list(self._sessions.values()):  # least recently used first
+            if session.busy:
+                continue
+            if excess > 0 or now - session.last_used > self.ttl:
+                self._drop(session)
+                excess -= 1
+
+    def _drop(self, session: Session) -> None:
+        self._unindex(session)
+        del self._sessions[session.id]
+
+    def _index(self, session: Session) -> None:
+        if session.messages:
+            session.key = conversation_keys(session.owner, session.messages)[-1]
+            self._by_key.setdefault(session.key, set()).add(session.id)
+
+    def _unindex(self, session: Session) -> None:
+        if session.key is not None:
+            ids = self._by_key.get(session.key, set())
+            ids.discard(session.id)
+            if not ids:
+                self._by_key.pop(session.key, None)
+            session.key = None

@@ -1,0 +1,62 @@
+"""Engine fixtures: the tiny Llama with the byte tokenizer and a plain-text chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from h2o_cache import CacheConfig, SamplingParams
+from server.engine import ChatRequest, Engine, EngineConfig, Finish
+
+
+def render(messages: list[dict], add_generation_prompt: bool) -> str:
+    """A prefix-stable template like ChatML, in bytes the tiny vocabulary represents exactly."""
+    text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+    return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def greedy(n: int = 8, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, **kwargs)
+
+
+def ask(content: str, params: SamplingParams | None = None, **kwargs) -> ChatRequest:
+    return ChatRequest([{"role": "user", "content": content}], params or greedy(), **kwargs)
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish: Finish | None = None
+    session_id: str = ""
+
+
+async def collect(handle) -> Reply:
+    reply = Reply(session_id=handle.session_id)
+    async for item in handle:
+        if isinstance(item, Finish):
+            reply.finish = item
+        else:
+            reply.text += item.text
+            reply.token_ids += item.token_ids
+    return reply
+
+
+@pytest.fixture
+def make_engine(tiny_model, byte_tokenizer):
+    """Build and start engines; every one is stopped at the end of the test."""
+    engines = []
+
+    def make(policy: str = "full", budget: int = 64, clock=None, **config) -> Engine:
+        config.setdefault("prefill_chunk", 16)
+        extra = {"clock": clock} if clock else {}
+        engine = Engine(tiny_model, byte_tokenizer, CacheConfig(policy=policy, budget=budget, prefill_chunk=16),
+                        EngineConfig(**config), render=render, **extra)
+        engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.stop()
