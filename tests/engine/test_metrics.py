@@ -1,0 +1,22 @@
+import pytest
+
+from server.engine.metrics import EngineMetrics
+
+
+def test_step_histogram_is_cumulative_with_sum_and_count():
+    metrics = EngineMetrics(bounds=(0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        metrics.observe_step(seconds)
+    totals, histogram = metrics.snapshot()
+    assert histogram.counts == [2, 3] and histogram.count == 4 and histogram.sum == pytest.approx(3.65)
+    assert totals["decode_steps_total"] == 4
+
+
+def test_requests_are_counted_by_finish_with_their_tokens():
+    metrics = EngineMetrics()
+    metrics.record_request("stop", prompt_tokens=10, cached_tokens=4, generated_tokens=3)
+    metrics.record_request("cancelled", prompt_tokens=5, cached_tokens=0, generated_tokens=1)
+    metrics.record_request("stop", prompt_tokens=1, cached_tokens=0, generated_tokens=1)
+    totals, _ = metrics.snapshot()
+    assert totals["requests_by_finish"] == {"stop": 2, "cancelled": 1}
+    assert (totals["prompt_tokens_total"], totals["cached_tokens_total"], totals["generated_tokens_total"]) == (16, 4, 5)

@@ -1,0 +1,54 @@
+import pytest
+
+from h2o_cache import CacheConfig, Generator
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Sequence, Status
+from server.engine.session import Session
+from server.engine.turn import Turn
+from server.engine.types import QueueFull
+
+
+def sequence(gen, n_tokens: int) -> Sequence:
+    """A prefilled waiting sequence whose cache row is recognisable by its `seen` count."""
+    cache = gen.new_cache(1)
+    gen.prefill(cache, [list(range(3, 3 + n_tokens))])
+    turn = Turn([], "", [], 0, 0, False)
+    return Sequence(Session(str(n_tokens), ""), turn, None, channel=None, cache=cache)
+
+
+def test_rows_follow_their_sequences_through_joins_and_leaves(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
+    scheduler = Scheduler(gen.new_cache(0), max_batch_size=8, max_queue=8)
+    seqs = [sequence(gen, n) for n in (1, 2, 3, 4, 5)]
+    for seq in seqs:
+        scheduler.reserve()
+        scheduler.waiting.append(seq)
+        scheduler.join(seq)
+    for leaving in (seqs[1], seqs[4], seqs[0]):
+        cache = scheduler.leave(leaving)
+        assert cache.seen == [int(leaving.session.id)] and leaving.status is Status.FINISHED
+        assert [int(s.session.id) for s in scheduler.running] == scheduler.batch.seen
+    assert sorted(scheduler.batch.seen) == [3, 4] and scheduler.in_flight == 2
+
+
+def test_reserve_bounds_requests_in_flight(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
+    scheduler = Scheduler(gen.new_cache(0), max_batch_size=1, max_queue=2)
+    scheduler.reserve()
+    scheduler.reserve()
+    with pytest.raises(QueueFull):
+        scheduler.reserve()
+    scheduler.unreserve()
+    scheduler.reserve()
+
+
+def test_prefill_waits_for_a_free_row(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
+    scheduler = Scheduler(gen.new_cache(0), max_batch_size=1, max_queue=4)
+    first, second = sequence(gen, 2), sequence(gen, 3)
+    scheduler.waiting.extend([first, second])
+    assert scheduler.next_prefill() is first
+    scheduler.join(first)
+    assert scheduler.next_prefill() is None
+    scheduler.leave(first)
+    assert scheduler.next_prefill() is second
