@@ -19,7 +19,8 @@ def error(status: int, message: str, code: str, type_: str = "invalid_request_er
     return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status)
 
 
-def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001) -> FastAPI:
+def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001, replica: str = "") -> FastAPI:
+    """replica: a name sent back in X-Replica, so routing tests can tell the servers apart."""
     app = FastAPI()
     sessions: dict[str, int] = {}  # session id -> conversation length in tokens (words)
 
@@ -64,6 +65,7 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
                      "kv_resident_tokens": min(prompt + n, budget), "conversation_tokens": prompt + n}
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
 
-        return StreamingResponse(frames(), media_type="text/event-stream", headers={"X-Session-ID": sid})
+        headers = {"X-Session-ID": sid, "X-Replica": replica}
+        return StreamingResponse(frames(), media_type="text/event-stream", headers=headers)
 
     return app
