@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from clients.api import DEFAULT_URL, ApiError, Conversation, ServerUnavailable, Turn, make_client, served_model, wait_ready
+from clients.api import (
+    DEFAULT_URL,
+    ApiError,
+    Conversation,
+    ServerUnavailable,
+    Turn,
+    make_client,
+    served_model,
+    wait_ready,
+)
 from clients.questions import QuestionsNotFound, mtbench_turns
 
 FALLBACK_PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how a bicycle stays upright.",

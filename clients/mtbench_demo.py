@@ -22,6 +22,7 @@ from clients.api import DEFAULT_URL, ApiError, Conversation, ServerUnavailable, 
 from clients.plot import plot_runs, read_csv, write_csv
 from clients.questions import QuestionsNotFound, mtbench_turns
 
+
 async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[dict]:
     """Play the turns into one conversation; stop at the first failure (a longer one fails the same way)."""
     rows = []

@@ -63,4 +63,4 @@ def run_client(module: str, *args: str, stdin: str = "", timeout: float = 60) ->
     """Run `python -m clients.<module>` as a user would; the output is checked for tracebacks."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
     return subprocess.run([sys.executable, "-m", f"clients.{module}", *args], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env=env)
+                          text=True, timeout=timeout, cwd=REPO, env=env, check=False)

@@ -33,7 +33,7 @@ def test_failed_turn_is_recorded_plotted_and_reported(fake_server, small_context
     assert f"full: {len(full) - 1} turns ok" in r.stdout and "FAILED at turn" in r.stdout
     replot = run_client("mtbench_demo", "--plot", str(tmp_path / "h2o.csv"), str(tmp_path / "full.csv"),
                         "--out", str(tmp_path / "replot"))
-    assert (tmp_path / "replot" / "mtbench.png").exists()
+    assert replot.returncode == 1 and (tmp_path / "replot" / "mtbench.png").exists()  # the failure still counts
 
 
 def test_unreachable_server_is_a_clear_error(dead_url, tmp_path):

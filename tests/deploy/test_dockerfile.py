@@ -11,7 +11,7 @@ DOCKERFILE = (REPO / "Dockerfile").read_text()
 
 def readme_block(marker: str) -> str:
     text = (REPO / "README.md").read_text()
-    block = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)\n```", text, re.S)
+    block = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)\n```", text, re.DOTALL)
     assert block, f"README has no {marker} block"
     return block.group(1).strip()
 
