@@ -69,6 +69,9 @@ class Batcher:
             self._prefill(seq)
         if self.scheduler.running:
             self._decode()
+        self._count_resident()
+
+    def _count_resident(self) -> None:
         caches = [self.scheduler.batch] + [s.cache for s in self.scheduler.waiting if s.cache is not None]
         self.resident = (sum(sum(c.lengths) for c in caches), sum(c.resident_bytes() for c in caches))
 
@@ -136,6 +139,7 @@ class Batcher:
         message, and `consumed_text` to match, so the next turn continues from here.
         """
         cache = self.scheduler.leave(seq)
+        self._count_resident()  # before the session counts it, so stats never count it twice
         tail = seq.decoder.flush()
         session = seq.session
         session.cache = cache

@@ -58,13 +58,20 @@ class SessionStore:
             return session, conversation
 
     def release(self, session: Session, messages: list[dict] | None = None) -> None:
-        """Hand a session back after a turn; `messages` replaces its conversation when given."""
+        """Hand a session back after a turn; `messages` replaces its conversation when given.
+
+        A session that still has no messages (its first request was refused or cancelled before
+        a reply) holds nothing to continue and is dropped.
+        """
         with self._lock:
             if messages is not None:
                 self._unindex(session)
                 session.messages = messages
                 self._index(session)
             session.busy = False
+            if not session.messages:
+                self._drop(session)
+                return
             self._touch(session)
             self._expire()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import pytest
@@ -41,6 +42,13 @@ async def collect(handle) -> Reply:
             reply.text += item.text
             reply.token_ids += item.token_ids
     return reply
+
+
+async def until(condition, timeout: float = 30.0) -> None:
+    """Wait for something the engine thread does within a step or two."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
 
 
 @pytest.fixture

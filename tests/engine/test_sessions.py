@@ -85,8 +85,15 @@ def test_idle_sessions_expire_after_ttl_but_busy_ones_stay():
     assert len(store) == 1
     with pytest.raises(SessionNotFound):
         store.claim("alice", [user("x")], idle.id)
-    store.release(busy)
+    store.release(busy, [user("b"), assistant("ok")])
     store.claim("alice", [user("x")], busy.id)
+
+
+def test_a_session_released_without_messages_is_dropped():
+    store = SessionStore(max_sessions=8, ttl=10)
+    refused, _ = store.claim("alice", [user("a")], None)
+    store.release(refused)
+    assert len(store) == 0
 
 
 def test_least_recently_used_idle_sessions_go_beyond_max_sessions():
