@@ -124,10 +124,13 @@ async def _chunks(response: httpx.Response):
 
 async def stream_chat(client: httpx.AsyncClient, messages: list[dict], *, model: str = "default",
                       max_tokens: int = 256, temperature: float = 0.0, session_id: str | None = None,
-                      on_text=None) -> Turn:
-    """POST /v1/chat/completions with stream=true; `on_text(str)` sees each piece as it arrives."""
+                      on_text=None, extra: dict | None = None) -> Turn:
+    """POST /v1/chat/completions with stream=true; `on_text(str)` sees each piece as it arrives.
+
+    extra: more body fields, e.g. the server's {"ignore_eos": true} for fixed-length benchmark replies.
+    """
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     headers = {"X-Session-ID": session_id} if session_id else {}
     t_start = time.perf_counter()
     turn = Turn("", None, t_start, t_start)
