@@ -6,6 +6,7 @@ import pytest
 
 from server.engine import ChatRequest, PromptTooLong, QueueFull, SessionBusy, SessionNotFound
 from tests.engine.conftest import ask, collect, greedy, until
+from tests.engine.test_sessions import Clock
 
 PROMPTS = ["hello there", "what is a cache?", "x", "tell me a long story about heavy hitters", "abc abc abc"]
 
@@ -127,3 +128,45 @@ async def test_context_window_reserves_room_for_the_reply(make_engine):
         await engine.submit(ask("hi", greedy(40)))
     reply = await collect(await engine.submit(ask("hi", greedy(20))))
     assert reply.finish.usage.conversation_tokens <= 40
+
+
+async def test_an_expired_session_is_gone_but_its_history_can_be_resent(make_engine):
+    clock = Clock()
+    engine = make_engine(policy="full", clock=clock, session_ttl=60)
+    first = await collect(await engine.submit(ask("hello there", greedy(6))))
+    history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.text},
+               {"role": "user", "content": "more"}]
+    clock.now = 61
+    with pytest.raises(SessionNotFound):
+        await engine.submit(ChatRequest(history[2:], greedy(6), session_id=first.session_id))
+    resent = await collect(await engine.submit(ChatRequest(history, greedy(6))))
+    assert resent.session_id != first.session_id and resent.finish.usage.cached_tokens == 0
+    assert engine.stats().active_sessions == 1
+
+
+async def test_least_recently_used_sessions_go_beyond_max_sessions(make_engine):
+    engine = make_engine(max_sessions=2)
+    old, kept, new = [await collect(await engine.submit(ask(p, greedy(2)))) for p in PROMPTS[:3]]
+    with pytest.raises(SessionNotFound):
+        await engine.submit(ask("more", session_id=old.session_id))
+    assert (await collect(await engine.submit(ask("more", greedy(2), session_id=kept.session_id)))).session_id == kept.session_id
+    assert engine.stats().active_sessions == 2
+
+
+async def test_a_stop_token_ends_the_reply_without_streaming_it(make_engine):
+    engine = make_engine()
+    free = await collect(await engine.submit(ask("hello there", greedy(12))))
+    stop = free.token_ids[5]
+    cut = await collect(await engine.submit(ask("hello there", greedy(12, stop_token_ids=(stop,)))))
+    first = free.token_ids.index(stop)
+    assert cut.finish.finish_reason == "stop" and cut.token_ids == free.token_ids[:first]
+    assert cut.finish.usage.completion_tokens == first + 1
+
+
+async def test_logprobs_come_with_each_token(make_engine):
+    engine = make_engine()
+    handle = await engine.submit(ask("hello", greedy(4, logprobs=2)))
+    deltas = [item async for item in handle][:-1]
+    samples = [s for d in deltas for s in d.logprobs]
+    assert [s.token for s in samples] == [t for d in deltas for t in d.token_ids]
+    assert all(len(s.top_logprobs) == 2 and s.top_logprobs[0][0] == s.token for s in samples)
