@@ -1,0 +1,35 @@
+"""`python -m server`: parse the settings (flags and H2O_* environment), load the model, serve."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+from pydantic_settings import CliApp
+
+from server.app import create_app
+from server.settings import ServerSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = CliApp.run(ServerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    try:
+        settings.cache_config()  # refuse an inconsistent budget now, not after minutes of loading
+    except ValueError as exc:
+        print(f"python -m server: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def stop_serving(exc: BaseException) -> None:
+        server.should_exit = True  # polled by uvicorn's main loop; safe to set from the loader thread
+
+    app = create_app(settings, on_load_failure=stop_serving)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=settings.log_level, timeout_graceful_shutdown=5))
+    server.run()
+    return 1 if app.state.load_error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""HTTP bodies of /v1/chat/completions, shaped and ordered like the OpenAI API reference."""
+
+from __future__ import annotations
+
+from typing import Annotated, Callable, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from h2o_cache import Sample, SamplingParams
+from server.engine.types import Usage
+from server.errors import APIError
+
+
+def _text_of_parts(content):
+    """Content may be an array of text parts; it reaches the model as their text joined by newlines."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise PydanticCustomError("content_part", 'only text parts ({"type": "text", "text": ...}) are supported')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _list_of_stops(stop):
+    return [stop] if isinstance(stop, str) else [] if stop is None else stop
+
+
+Content = Annotated[str, BeforeValidator(_text_of_parts)]
+Stop = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_list_of_stops), Field(max_length=4)]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+
+    def for_engine(self) -> dict:
+        # `developer` is OpenAI's newer name for the system role; chat templates know only `system`.
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model: str | None = None  # any name is accepted: the server serves one model
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: Stop = []
+    n: int | None = 1
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    user: str | None = None
+
+    # ----- server extras, not in the OpenAI API -------------------------------------------------------
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: no limit")
+    session_id: str | None = Field(None, description="continue this session: messages are only the new ones")
+    ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise PydanticCustomError("unsupported", "only n=1 is supported")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def engine_messages(self) -> list[dict]:
+        return [m.for_engine() for m in self.messages]
+
+    def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
+        """max_completion_tokens (or the older max_tokens, or the server default), capped by the server."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        asked = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return SamplingParams(
+            max_new_tokens=min(asked, max_tokens_limit),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=tuple(self.stop),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+        )
+
+
+# ----- responses ----------------------------------------------------------------------------------------
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    # Server extras: how much of the conversation the session's fixed-budget cache still holds.
+    kv_resident_tokens: int
+    conversation_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> UsageInfo:
+        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+                   kv_resident_tokens=usage.kv_resident_tokens, conversation_tokens=usage.conversation_tokens)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+    @classmethod
+    def of(cls, samples: list[Sample], token_text: Callable[[int], str]) -> ChoiceLogprobs:
+        def top(token: int, logprob: float) -> TopLogprob:
+            text = token_text(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return cls(content=[
+            TokenLogprob(**top(s.token, s.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in s.top_logprobs])
+            for s in samples
+        ])
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: UsageInfo
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageInfo | None = None

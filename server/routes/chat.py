@@ -1,0 +1,49 @@
+"""POST /v1/chat/completions: validate, hand the request to the engine, answer plain or streamed."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from server.engine.types import ChatRequest, EngineNotReady
+from server.protocol import ChatCompletion, ChatCompletionRequest
+from server.routes.auth import api_key_owner
+from server.routes.completion import Completion
+
+router = APIRouter()
+
+SESSION_HEADER = "X-Session-ID"
+# Proxies (nginx) must hand each token on at once instead of buffering the stream.
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 owner: str = Depends(api_key_owner)) -> Response:
+    """A chat reply. The session id (body `session_id` or the `X-Session-ID` header) continues a
+    conversation with only the new messages; every response names its session in `X-Session-ID`."""
+    state = request.app.state
+    engine = state.engine
+    if engine is None:
+        raise EngineNotReady("the model is still loading; retry when /health answers 200")
+    settings = state.settings
+    chat = ChatRequest(
+        messages=body.engine_messages(),
+        params=body.sampling_params(settings.default_max_tokens, settings.max_tokens_limit),
+        owner=owner,
+        session_id=body.session_id or request.headers.get(SESSION_HEADER) or None,
+        request_id=uuid.uuid4().hex,
+    )
+    handle = await engine.submit(chat)
+    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]))
+    headers = {SESSION_HEADER: handle.session_id}
+    if body.stream:
+        return StreamingResponse(completion.stream(handle, body.include_usage), media_type="text/event-stream",
+                                 headers=headers | STREAM_HEADERS)
+    reply = await completion.body(handle, request)
+    if reply is None:  # the client is gone; nobody reads this
+        return Response(status_code=499, headers=headers)
+    return JSONResponse(reply.model_dump(), headers=headers)

@@ -1,0 +1,95 @@
+"""Turn an engine `Handle` into an OpenAI chat completion: one JSON body, or a stream of SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from starlette.requests import Request
+
+from server.engine.types import Delta, EngineError, Finish, GenerationFailed
+from server.errors import from_engine_error, internal_error
+from server.protocol import (
+    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, UsageInfo,
+)
+
+log = logging.getLogger("server")
+
+
+class Completion:
+    """What every chunk or body of one reply shares: its id, creation time, model and token spelling."""
+
+    def __init__(self, model: str, token_text: Callable[[int], str]):
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+
+    def logprobs(self, delta: Delta) -> ChoiceLogprobs | None:
+        return ChoiceLogprobs.of(delta.logprobs, self.token_text) if delta.logprobs else None
+
+    def chunk(self, choices: list[ChunkChoice], usage: UsageInfo | None = None) -> str:
+        body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return sse(body.model_dump_json())
+
+    async def body(self, handle, request: Request) -> ChatCompletion | None:
+        """Collect the whole reply; None when the client left first (the request is then cancelled)."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+        text, samples, finish = [], [], None
+        try:
+            async for item in handle:
+                if isinstance(item, Finish):
+                    finish = item
+                else:
+                    text.append(item.text)
+                    samples += item.logprobs
+        finally:
+            watcher.cancel()
+        if finish is None:
+            return None
+        logprobs = ChoiceLogprobs.of(samples, self.token_text) if samples else None
+        choice = Choice(message=AssistantMessage(content="".join(text)), logprobs=logprobs,
+                        finish_reason=finish.finish_reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                              usage=UsageInfo.of(finish.usage))
+
+    async def stream(self, handle, include_usage: bool) -> AsyncIterator[str]:
+        """SSE frames: role, content deltas, finish, usage (when asked), [DONE].
+
+        The response is cancelled when the client disconnects (Starlette watches for it), which
+        raises CancelledError here; `finally` then frees the request's batch slot.
+        """
+        try:
+            yield self.chunk([ChunkChoice(delta={"role": "assistant", "content": ""})])
+            async for item in handle:
+                if isinstance(item, Finish):
+                    yield self.chunk([ChunkChoice(delta={}, finish_reason=item.finish_reason)])
+                    if include_usage:
+                        yield self.chunk([], UsageInfo.of(item.usage))
+                elif item.text or item.logprobs:
+                    yield self.chunk([ChunkChoice(delta={"content": item.text}, logprobs=self.logprobs(item))])
+        except EngineError as exc:
+            if not isinstance(exc, GenerationFailed):
+                log.warning("engine error in a stream: %r", exc)
+            yield sse(json.dumps(from_engine_error(exc).body()))
+        except Exception:
+            log.exception("error while streaming %s", self.id)
+            yield sse(json.dumps(internal_error().body()))
+        finally:
+            handle.cancel()
+        yield sse("[DONE]")
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, handle) -> None:
+    """Once the body is read, the next ASGI message can only be the client going away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel()

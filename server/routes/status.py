@@ -1,0 +1,39 @@
+"""The server's own endpoints: /health for orchestrators, /metrics for Prometheus, /v1/models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from server import metrics
+from server.routes.auth import api_key_owner
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 once the model is loaded and the engine runs; 503 while loading, or if loading failed."""
+    state = request.app.state
+    engine = state.engine
+    if state.load_error is not None:
+        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+    if engine is None:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    if not engine.ready:
+        return JSONResponse({"status": "stopped"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.model_name})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus_metrics(request: Request) -> PlainTextResponse:
+    state = request.app.state
+    stats = state.engine.stats() if state.engine is not None else None
+    return PlainTextResponse(metrics.render(state.requests, stats), media_type=metrics.CONTENT_TYPE)
+
+
+@router.get("/v1/models", dependencies=[Depends(api_key_owner)])
+async def list_models(request: Request) -> dict:
+    state = request.app.state
+    model = {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "h2o-chat"}
+    return {"object": "list", "data": [model]}

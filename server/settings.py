@@ -1,0 +1,88 @@
+"""Server settings: one pydantic-settings class that is also the `python -m server` command line.
+
+Every field reads from a flag (`--kv-budget 256`) and an environment variable (`H2O_KV_BUDGET=256`);
+a flag wins over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
+
+from h2o_cache import CacheConfig
+from server.engine.types import EngineConfig
+
+
+class ServerSettings(BaseSettings):
+    """OpenAI-compatible streaming chat server; each conversation keeps a fixed-budget H2O KV cache.
+    Every flag is also an environment variable: --kv-budget 64 is H2O_KV_BUDGET=64."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="H2O_", cli_prog_name="python -m server", cli_kebab_case=True, cli_implicit_flags=True,
+        cli_hide_none_type=True, cli_avoid_json=True, protected_namespaces=(),
+    )
+
+    # ----- HTTP -------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for every interface)")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
+    api_key: list[str] = Field(
+        default_factory=list,
+        description="accepted API key, repeatable; when any is set, requests need `Authorization: Bearer KEY` "
+                    "(environment: a JSON list)",
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="uvicorn log level")
+
+    # ----- model ------------------------------------------------------------------------------------
+    model: str | None = Field(
+        None, description="Hugging Face model directory or .gguf file; unset: the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = Field(
+        None, description="model name reported by /v1/models and in responses; unset: derived from --model")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on cpu, bfloat16 (or float16) on cuda")
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="torch intra-op threads; unset: one per CPU core this process may use")
+
+    # ----- KV cache ---------------------------------------------------------------------------------
+    policy: Literal["h2o", "streaming", "local", "full"] = Field(
+        "h2o", description="eviction policy: h2o (heavy hitters + recent), streaming (sinks + recent), "
+                           "local (recent only), full (never evicts)")
+    kv_budget: int = Field(256, ge=2, le=1_000_000, description="tokens each layer/KV head keeps (not for full)")
+    heavy_ratio: float = Field(0.5, ge=0.0, le=1.0, description="share of the budget given to heavy hitters (h2o)")
+    sink_tokens: int | None = Field(
+        None, ge=0, le=1024, description="first tokens always kept; unset: the policy's default (streaming: 4)")
+    position_rolling: CliImplicitFlag[bool] = Field(
+        True, description="give cached keys the positions of their slots, so RoPE never sees a position "
+                          "beyond the budget (--no-position-rolling keeps the original positions)")
+
+    # ----- engine -----------------------------------------------------------------------------------
+    max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together in one step")
+    max_queue: int = Field(64, ge=1, le=100_000, description="requests waiting or running; more get 429")
+    max_sessions: int = Field(256, ge=1, le=1_000_000, description="conversations kept; least recently used dropped")
+    session_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is kept")
+    max_prompt_tokens: int = Field(
+        32768, ge=1, le=10_000_000, description="most prompt tokens one request may prefill; more get 400")
+    prefill_chunk: int = Field(256, ge=1, le=65536, description="prompt tokens prefilled per step, between decodes")
+    default_max_tokens: int = Field(512, ge=1, le=1_000_000, description="reply tokens when a request sets none")
+    max_tokens_limit: int = Field(
+        4096, ge=1, le=1_000_000, description="most reply tokens a request gets; larger max_tokens are capped")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
+                           sink_tokens=self.sink_tokens, position_rolling=self.position_rolling,
+                           prefill_chunk=self.prefill_chunk)
+
+    def engine_config(self, context_window: int | None) -> EngineConfig:
+        """context_window: the model's max_position_embeddings, the limit of the `full` policy."""
+        return EngineConfig(max_batch_size=self.max_batch_size, max_queue=self.max_queue,
+                            max_sessions=self.max_sessions, session_ttl=self.session_ttl,
+                            max_prompt_tokens=self.max_prompt_tokens, prefill_chunk=self.prefill_chunk,
+                            context_window=context_window)
+
+    def torch_threads(self) -> int:
+        """Cores this process may run on (a container's CPU set, not the host's), unless --threads says."""
+        return self.threads or len(os.sched_getaffinity(0))

@@ -1,0 +1,102 @@
+"""A stand-in for `server.engine.Engine` with the same API: scripted replies, no model, no thread.
+
+It answers each request with the words of its last message, one `Delta` per word, and records
+what it was asked, so HTTP tests neither wait on a model nor depend on the engine's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from h2o_cache import Sample
+from server.engine.types import (
+    ChatRequest, Delta, EngineError, EngineStats, Finish, GenerationFailed, Histogram, SessionNotFound, Usage,
+)
+
+
+class FakeTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@dataclass
+class FakeHandle:
+    session_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    items: list[Delta | Finish | Exception]
+    hold: asyncio.Event | None = None  # when set: wait for it before every item
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __aiter__(self):
+        return self._stream()
+
+    async def _stream(self):
+        for item in self.items:
+            if self.hold is not None:
+                await self.hold.wait()
+            if self.cancelled.is_set():
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+class FakeEngine:
+    """submit_error: raised by the next submit. fail_after: raise GenerationFailed after that many deltas.
+    hold: an event every handle waits on before each item (to test disconnects mid-stream)."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.ready = True
+        self.requests: list[ChatRequest] = []
+        self.handles: list[FakeHandle] = []
+        self.sessions: dict[str, str] = {}  # session id -> owner
+        self.submit_error: EngineError | None = None
+        self.fail_after: int | None = None
+        self.hold: asyncio.Event | None = None
+
+    async def submit(self, request: ChatRequest) -> FakeHandle:
+        self.requests.append(request)
+        if self.submit_error is not None:
+            error, self.submit_error = self.submit_error, None
+            raise error
+        if request.session_id is not None:
+            if self.sessions.get(request.session_id) != request.owner:
+                raise SessionNotFound(f"session {request.session_id!r} not found")
+            session_id = request.session_id
+        else:
+            session_id = f"s{len(self.sessions)}"
+            self.sessions[session_id] = request.owner
+        words = request.messages[-1]["content"].split()[: request.params.max_new_tokens]
+        items: list = []
+        for i, word in enumerate(words):
+            logprobs = [Sample(i, -0.5, [(i, -0.5), (99, -1.5)][: request.params.logprobs])] \
+                if request.params.logprobs is not None else []
+            items.append(Delta(word + " ", [i], logprobs))
+        if self.fail_after is not None:
+            items = items[: self.fail_after] + [GenerationFailed("the model failed")]
+        reason = "length" if len(words) == request.params.max_new_tokens else "stop"
+        prompt = sum(len(m["content"].split()) for m in request.messages)
+        items.append(Finish(reason, Usage(prompt, len(words), 1, min(prompt + len(words), 8), prompt + len(words))))
+        handle = FakeHandle(session_id, prompt, 1, items, self.hold)
+        self.handles.append(handle)
+        return handle
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            active_sessions=len(self.sessions), running=1, waiting=2, resident_kv_tokens=48, resident_kv_bytes=4096,
+            prompt_tokens_total=10, generated_tokens_total=20, cached_tokens_total=3, decode_steps_total=5,
+            decode_step_seconds=Histogram((0.01, 0.1), [2, 4], sum=0.25, count=5),
+            requests_by_finish={"stop": 2, "length": 1},
+        )
+
+    def start(self) -> None:
+        self.ready = True
+
+    def stop(self) -> None:
+        self.ready = False

@@ -1,0 +1,79 @@
+"""POST /v1/chat/completions without streaming: the body OpenAI clients expect, sessions, what reaches the engine."""
+
+import pytest
+
+from h2o_cache import SamplingParams
+
+HELLO = {"model": "any", "messages": [{"role": "user", "content": "hello brave new world"}]}
+
+
+async def test_reply_has_the_openai_shape_and_names_its_session(client, engine):
+    r = await client.post("/v1/chat/completions", json=HELLO)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert isinstance(body["created"], int) and body["model"] == "SmolLM2-135M-Instruct"
+    [choice] = body["choices"]
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": "hello brave new world "},
+                      "logprobs": None, "finish_reason": "stop"}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 1},
+                             "kv_resident_tokens": 8, "conversation_tokens": 8}
+    assert r.headers["x-session-id"] == engine.handles[0].session_id
+
+
+async def test_request_becomes_sampling_params_and_engine_messages(client, engine, app):
+    body = {"messages": [{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
+            "presence_penalty": 1, "frequency_penalty": -1, "top_k": 5, "ignore_eos": True,
+            "some_future_field": {"ignored": True}}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    [request] = engine.requests
+    assert request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+    assert request.params == SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.5, top_k=5, seed=3,
+                                            stop=("x",), ignore_eos=True, presence_penalty=1.0,
+                                            frequency_penalty=-1.0)
+    assert request.owner == "" and request.session_id is None and request.request_id
+
+
+async def test_defaults_follow_openai_and_max_tokens_is_capped(client, engine, app):
+    app.state.settings = app.state.settings.model_copy(update={"default_max_tokens": 9, "max_tokens_limit": 20})
+    await client.post("/v1/chat/completions", json=HELLO)
+    await client.post("/v1/chat/completions", json={**HELLO, "max_tokens": 1000})
+    assert engine.requests[0].params == SamplingParams(max_new_tokens=9, temperature=1.0)
+    assert engine.requests[1].params.max_new_tokens == 20
+
+
+async def test_length_finish_when_max_tokens_runs_out(client):
+    r = await client.post("/v1/chat/completions", json={**HELLO, "max_tokens": 2})
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["choices"][0]["message"]["content"] == "hello brave "
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+async def test_session_id_round_trips(client, engine, where):
+    first = await client.post("/v1/chat/completions", json=HELLO)
+    session_id = first.headers["x-session-id"]
+    more = {"messages": [{"role": "user", "content": "and then"}]}
+    if where == "header":
+        r = await client.post("/v1/chat/completions", json=more, headers={"X-Session-ID": session_id})
+    else:
+        r = await client.post("/v1/chat/completions", json={**more, "session_id": session_id})
+    assert r.status_code == 200 and r.headers["x-session-id"] == session_id
+    assert engine.requests[1].session_id == session_id
+
+
+async def test_logprobs_in_openai_shape(client):
+    r = await client.post("/v1/chat/completions", json={**HELLO, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    assert content[1] == {"token": "<1>", "logprob": -0.5, "bytes": list(b"<1>"),
+                          "top_logprobs": [{"token": "<1>", "logprob": -0.5, "bytes": list(b"<1>")},
+                                           {"token": "<99>", "logprob": -1.5, "bytes": list(b"<99>")}]}
+
+
+async def test_models_lists_the_served_model(client):
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == ["SmolLM2-135M-Instruct"] and r.json()["object"] == "list"
