@@ -55,10 +55,15 @@ class Batcher:
                 self.step()
             except Exception:  # a bug outside any one sequence: fail them all, keep serving
                 log.exception("engine step failed")
-                for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                    self._fail(seq, GenerationFailed("internal error in the engine"))
-        for seq in self.scheduler.drain():
-            self._fail(seq, GenerationFailed("the engine stopped"))
+                self._fail_all([*self.scheduler.waiting, *self.scheduler.running], "internal error in the engine")
+        self._fail_all(self.scheduler.drain(), "the engine stopped")
+
+    def _fail_all(self, seqs: list[Sequence], message: str) -> None:
+        for seq in seqs:
+            try:
+                self._fail(seq, GenerationFailed(message))
+            except Exception:
+                log.exception("could not fail request %s cleanly", seq.request_id)
 
     def step(self) -> None:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
@@ -178,9 +183,11 @@ class Batcher:
         """End a sequence with GenerationFailed; its session keeps its messages but not its cache."""
         if seq.status is Status.FINISHED:
             return
-        self.scheduler.leave(seq)
-        seq.session.reset()
-        self.sessions.release(seq.session)
-        self.metrics.record_request("error", seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
-        failure = error if isinstance(error, GenerationFailed) else GenerationFailed(f"generation failed: {error}")
-        seq.channel.put(failure)
+        try:
+            self.scheduler.leave(seq)
+        finally:  # whatever state the batch is in, the request and its session are answered
+            seq.session.reset()
+            self.sessions.release(seq.session)
+            self.metrics.record_request("error", seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
+            failure = error if isinstance(error, GenerationFailed) else GenerationFailed(f"generation failed: {error}")
+            seq.channel.put(failure)
