@@ -90,14 +90,14 @@ class Batcher:
             if logits is None:
                 return
             reason = self._sample(seq, logits, seq.cache)
+            if not reason:
+                self.scheduler.join(seq)
         except Exception as error:
             log.exception("prefill failed for request %s", seq.request_id)
             self._fail(seq, error)
             return
         if reason:
             self._finish(seq, reason)
-        else:
-            self.scheduler.join(seq)
 
     def _decode(self) -> None:
         batch = self.scheduler.batch

@@ -77,8 +77,8 @@ class Scheduler:
 
     def join(self, seq: Sequence) -> None:
         """Move a prefilled sequence's 1-row cache into the batch as its last row."""
+        self.batch.extend(seq.cache)  # first: if the copy fails, the sequence is still waiting
         self.waiting.remove(seq)
-        self.batch.extend(seq.cache)
         seq.cache = None
         seq.status = Status.RUNNING
         self.running.append(seq)

@@ -18,7 +18,7 @@ class Status(Enum):
     FINISHED = auto()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues find a sequence by `is`, not by comparing fields
 class Sequence:
     """A request's generation state, owned by the engine thread once submitted.
 

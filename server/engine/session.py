@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from h2o_cache import H2OCache
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two sessions holding the same conversation are still two
 class Session:
     """A conversation and its cache.
 

@@ -95,6 +95,27 @@ async def test_a_failed_decode_step_fails_only_the_row_that_raises(make_engine, 
     assert engine.stats().running == 0
 
 
+async def test_a_sequence_that_cannot_join_the_batch_fails_alone(make_engine, monkeypatch):
+    engine = make_engine()
+    healthy = ask("hello there", greedy(20))
+    alone = await collect(await engine.submit(healthy))
+    batch = engine.scheduler.batch
+    extend = batch.extend
+    joins = []
+
+    def extend_failing_the_second(other):
+        joins.append(1)
+        if len(joins) == 2:
+            raise RuntimeError("injected out of memory")
+        extend(other)
+
+    monkeypatch.setattr(batch, "extend", extend_failing_the_second)
+    handles = [await engine.submit(healthy), await engine.submit(ask("another"))]
+    together, failed = await asyncio.gather(*(collect(h) for h in handles), return_exceptions=True)
+    assert isinstance(failed, GenerationFailed) and together.token_ids == alone.token_ids
+    assert engine.stats().waiting == 0
+
+
 async def test_the_loop_sleeps_when_idle(make_engine, monkeypatch):
     engine = make_engine()
     wakeups = []
