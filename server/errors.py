@@ -73,7 +73,7 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"malformed JSON in the request body: {error.get('ctx', {}).get('error', '')}".strip())
     param = param_name(tuple(error["loc"]))
     if param is None:
-        return APIError(400, "the request body must be a JSON object")
+        return APIError(400, "the request body must be a JSON object, sent with Content-Type: application/json")
     return APIError(400, f"{param}: {error['msg']}", param=param)
 
 

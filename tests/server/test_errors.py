@@ -1,0 +1,102 @@
+"""Every refusal in one shape, `{"error": {message, type, param, code}}`, with the right status."""
+
+import httpx
+import pytest
+
+from server.engine.types import EngineNotReady, PromptTooLong, QueueFull, SessionBusy
+from server.errors import APIError, from_engine_error
+
+URL = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def error_of(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+async def test_malformed_json(client):
+    r = await client.post(URL, content=b'{"messages": [', headers={"content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["type"] == "invalid_request_error" and "JSON" in err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages.[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.[0].content"),
+    ({"messages": USER, "temperature": 2.5}, "temperature"),
+    ({"messages": USER, "top_p": 0}, "top_p"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "presence_penalty": -3}, "presence_penalty"),
+    ({"messages": USER, "frequency_penalty": 2.1}, "frequency_penalty"),
+    ({"messages": USER, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "top_k": -1}, "top_k"),
+])
+async def test_bad_requests_name_the_field(client, engine, body, param):
+    err = error_of(await client.post(URL, json=body), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert not engine.requests
+
+
+async def test_n_other_than_one_says_so(client):
+    assert "only n=1" in error_of(await client.post(URL, json={"messages": USER, "n": 3}), 400)["message"]
+
+
+async def test_body_that_is_not_an_object(client):
+    assert error_of(await client.post(URL, json=[1, 2]), 400)["param"] is None
+
+
+@pytest.mark.parametrize("error,status,code", [
+    (PromptTooLong("too long"), 400, "context_length_exceeded"),
+    (SessionBusy("busy"), 409, "session_busy"),
+    (EngineNotReady("stopped"), 503, "model_not_ready"),
+    (QueueFull("full"), 429, "queue_full"),
+])
+async def test_engine_refusals_map_by_type(client, engine, error, status, code):
+    engine.submit_error = error
+    r = await client.post(URL, json={"messages": USER})
+    assert error_of(r, status)["code"] == code
+    if status == 429:
+        assert r.headers["retry-after"] == "1"
+
+
+def test_engine_error_subclasses_map_like_their_parent():
+    class Overloaded(QueueFull):
+        retry_after = 2.5
+
+    error = from_engine_error(Overloaded("later"))
+    assert (error.status, error.headers) == (429, {"Retry-After": "3"})
+
+
+async def test_unknown_session_is_404(client):
+    err = error_of(await client.post(URL, json={"messages": USER}, headers={"X-Session-ID": "nope"}), 404)
+    assert err["code"] == "session_not_found" and err["param"] == "session_id"
+
+
+async def test_unknown_route_and_wrong_method(client):
+    assert error_of(await client.get("/v1/nothing"), 404)["code"] == "not_found"
+    r = await client.get(URL)
+    assert error_of(r, 405)["code"] == "method_not_allowed" and "POST" in r.headers["allow"]
+
+
+async def test_a_bug_is_a_500_without_details_and_the_server_keeps_serving(app, engine):
+    engine.submit_error = ZeroDivisionError("secret detail")
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        err = error_of(await client.post(URL, json={"messages": USER}), 500)
+        assert err["code"] == "internal_error" and "secret" not in err["message"]
+        assert (await client.post(URL, json={"messages": USER})).status_code == 200
+
+
+async def test_api_error_body_is_the_one_shape():
+    assert APIError(400, "m", param="p", code="c").body() == {
+        "error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}}
