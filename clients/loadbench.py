@@ -72,7 +72,8 @@ def default_prompts() -> list[str]:
 
 async def run_load(base_url: str, *, sessions: int, turns: int, max_tokens: int, duration: float = 3600.0,
                    history: str = "session", prompts: list[str] | None = None, api_key: str | None = None,
-                   model: str | None = None, wait: float = 0.0, progress: bool = False) -> LoadResult:
+                   model: str | None = None, wait: float = 0.0, progress: bool = False,
+                   ignore_eos: bool = False) -> LoadResult:
     """Run `sessions` conversations at once, each up to `turns` turns; a failed conversation stops."""
     prompts = prompts or default_prompts()
     result = LoadResult(sessions)
@@ -89,7 +90,8 @@ async def run_load(base_url: str, *, sessions: int, turns: int, max_tokens: int,
                     return
                 try:
                     turn = await conv.ask(client, prompts[(i * turns + k) % len(prompts)], model=model,
-                                          max_tokens=max_tokens, temperature=0.0)
+                                          max_tokens=max_tokens, temperature=0.0,
+                                          extra={"ignore_eos": True} if ignore_eos else None)
                 except (ApiError, ServerUnavailable) as e:
                     result.errors.append(f"session {i} turn {k + 1}: {e}")
                     return
@@ -133,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="seconds after which no new turn starts")
     p.add_argument("--history", choices=["session", "resend"], default="session",
                    help="session: new message + X-Session-ID; resend: whole history each turn")
+    p.add_argument("--ignore-eos", action="store_true", help="every reply is exactly --max-tokens long (server extra)")
     p.add_argument("--api-key")
     p.add_argument("--model", help="model name to send (default: the server's first /v1/models entry)")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for /health")
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
     try:
         result = asyncio.run(run_load(args.base_url, sessions=args.sessions, turns=args.turns,
                                       max_tokens=args.max_tokens, duration=args.duration, history=args.history,
-                                      api_key=args.api_key, model=args.model, wait=args.wait,
+                                      api_key=args.api_key, model=args.model, wait=args.wait, ignore_eos=args.ignore_eos,
                                       progress=not args.quiet and args.sessions * args.turns >= 20))
     except ServerUnavailable as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,6 +27,10 @@ from clients.loadbench import format_table, run_load
 from clients.questions import QuestionsNotFound, mtbench_turns
 from clients.server_proc import ServerFailed, spawned_server
 
+# Every reply exactly max_tokens long (the server's ignore_eos extra), so turns and stream counts
+# compare equal work, whatever the model would have said.
+FIXED_LENGTH = {"ignore_eos": True}
+
 
 async def conversation_cost(url: str, turns: list[str], max_tokens: int) -> dict:
     """Play `turns` into one re-sent-history conversation; per turn: whole-turn seconds per token."""
@@ -36,7 +40,7 @@ async def conversation_cost(url: str, turns: list[str], max_tokens: int) -> dict
         conv = Conversation(resend=True)
         for text in turns:
             try:
-                t = await conv.ask(client, text, model=model, max_tokens=max_tokens, temperature=0.0)
+                t = await conv.ask(client, text, model=model, max_tokens=max_tokens, temperature=0.0, extra=FIXED_LENGTH)
             except ApiError as e:
                 return {"turns": rows, "error": f"turn {len(rows) + 1}: {e}"}
             rows.append({"s_per_token": t.seconds_per_token, "completion_tokens": t.completion_tokens,
@@ -50,9 +54,11 @@ async def measure(url: str, args, prompts: list[str]) -> dict:
     await run_load(url, sessions=1, turns=1, max_tokens=8, prompts=prompts)  # warm-up: first forward passes
     sweep = {}
     for n in args.streams:
-        r = await run_load(url, sessions=n, turns=args.rounds, max_tokens=args.max_tokens, prompts=prompts[n:])
+        r = await run_load(url, sessions=n, turns=args.rounds, max_tokens=args.max_tokens, prompts=prompts[n:],
+                           ignore_eos=True)
         sweep[n] = r.summary()
-        print(f"  {n:2d} streams: {sweep[n]['aggregate_tps']:.1f} tok/s, {sweep[n]['errors']} errors", flush=True)
+        first_error = f" (first: {r.errors[0]})" if r.errors else ""
+        print(f"  {n:2d} streams: {sweep[n]['aggregate_tps']:.1f} tok/s, {len(r.errors)} errors{first_error}", flush=True)
     conv = await conversation_cost(url, prompts[: args.conversation_turns], args.max_tokens)
     print(f"  {len(conv['turns'])}-turn conversation done{': ' + conv['error'] if conv['error'] else ''}", flush=True)
     return {"sweep": sweep, "conversation": conv}
