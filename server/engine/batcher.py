@@ -84,8 +84,8 @@ class Batcher:
 
     def _prefill(self, seq: Sequence) -> None:
         try:
-            if seq.sampler is None:
-                seq.start(seq.cache or self.generator.new_cache(1), self.generator.tokenizer)
+            if not seq.started:
+                seq.start(lambda: self.generator.new_cache(1), self.generator.tokenizer)
             logits = self.runner.prefill(seq)
             if logits is None:
                 return
@@ -169,12 +169,10 @@ class Batcher:
         if seq.output_ids:
             self._finish(seq, "cancelled")
             return
-        # Cancelled before its first token: an untouched cache goes back as it was; a partly
-        # prefilled one matches no text, so the session forgets it and its messages stay as before.
-        cache = self.scheduler.leave(seq)
-        if seq.prefilled == 0 and seq.turn.continues:
-            seq.session.cache = cache
-        else:
+        # Cancelled before its first token: a partly prefilled cache matches no text, so the session
+        # forgets it; its messages stay as before the request. Not started: nothing changed.
+        self.scheduler.leave(seq)
+        if seq.started:
             seq.session.reset()
         self.sessions.release(seq.session)
         self.metrics.record_request("cancelled", seq.turn.prompt_tokens, seq.turn.cached_tokens, 0)

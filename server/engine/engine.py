@@ -69,14 +69,12 @@ class Engine:
             # Rendering and tokenizing a long history takes a while; keep it off the event loop.
             turn = await asyncio.to_thread(plan_turn, session, conversation, self.render, self.tokenizer)
             check_length(turn, request.params, self.cache_config, self.config)
+            seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id)
+            self.scheduler.add(seq)  # EngineNotReady if the engine stopped meanwhile
         except BaseException:
             self.sessions.release(session)
             self.scheduler.unreserve()
             raise
-        cache, session.cache = session.cache, None
-        seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id,
-                       cache=cache if turn.continues else None)
-        self.scheduler.add(seq)
         return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
                       on_cancel=lambda: self._cancel(seq))
 

@@ -7,7 +7,7 @@ from collections import deque
 
 from h2o_cache import H2OCache
 from server.engine.sequence import Sequence, Status
-from server.engine.types import QueueFull
+from server.engine.types import EngineNotReady, QueueFull
 
 
 class Scheduler:
@@ -46,6 +46,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence whose place was reserved; wakes the engine thread."""
         with self._cond:
+            if self._stopping:  # the engine thread would never see it
+                raise EngineNotReady("the engine is stopping")
             self._inbox.append(seq)
             self._cond.notify()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Callable
 
 from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder
 from server.engine.handle import Channel
@@ -22,7 +23,7 @@ class Status(Enum):
 class Sequence:
     """A request's generation state, owned by the engine thread once submitted.
 
-    While WAITING, `cache` is the session's 1-row cache (None: a fresh one is made) and `prefilled`
+    While WAITING, `cache` is the 1-row cache being prefilled (None until `start`) and `prefilled`
     counts the tokens of `turn.prefill` fed so far. While RUNNING, its row of the batch cache holds
     the state and `cache` is None; the row's pending token is the last one sampled.
     """
@@ -47,11 +48,21 @@ class Sequence:
     def next_chunk(self, size: int) -> list[int]:
         return self.turn.prefill[self.prefilled:self.prefilled + size]
 
-    def start(self, cache: H2OCache, tokenizer) -> None:
-        """Take the cache to prefill; its pending token now leads `turn.prefill`."""
-        self.cache = cache
-        cache.pending[0] = []
-        self.sampler = Sampler(self.params, cache.spec.device)
+    @property
+    def started(self) -> bool:
+        return self.sampler is not None
+
+    def start(self, new_cache: Callable[[], H2OCache], tokenizer) -> None:
+        """Take the session's cache when the turn continues it, else a new one, to prefill.
+
+        The session's pending token now leads `turn.prefill`. Until this, a cancelled request
+        leaves its session untouched.
+        """
+        cache = self.session.cache if self.turn.continues else None
+        self.session.cache = None
+        self.cache = cache or new_cache()
+        self.cache.pending[0] = []
+        self.sampler = Sampler(self.params, self.cache.spec.device)
         self.decoder = StreamDecoder(tokenizer, self.params.stop)
 
     def append(self, sample: Sample, eos_token_ids: set[int]) -> tuple[Delta | None, str | None]:

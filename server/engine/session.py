@@ -17,8 +17,9 @@ class Session:
     prompt of the last turn followed by the decoded reply tokens. A new turn reuses the cache only
     when the newly rendered conversation starts with this text (see `turn.plan_turn`).
 
-    While `busy`, the request in flight owns `cache` (None meanwhile) and the engine thread is the
-    only writer of the fields below; otherwise the `SessionStore` lock guards them.
+    While `busy`, the request in flight takes `cache` once its prefill starts (None from then on)
+    and the engine thread is the only writer of the fields below; otherwise the `SessionStore`
+    lock guards them. `stats` reads `cache` unlocked, hence the single reads below.
     """
 
     id: str
@@ -28,15 +29,17 @@ class Session:
     consumed_text: str = ""
     last_used: float = 0.0  # time.monotonic() seconds
     busy: bool = False
-    key: str | None = None  # its entry in the store's prefix index: conversation_key(owner, messages)
+    key: str | None = None  # its entry in the store's prefix index: conversation_keys(owner, messages)[-1]
 
     @property
     def resident_tokens(self) -> int:
-        return self.cache.lengths[0] if self.cache is not None else 0
+        cache = self.cache  # once: the engine thread may take it meanwhile
+        return cache.lengths[0] if cache is not None else 0
 
     @property
     def resident_bytes(self) -> int:
-        return self.cache.resident_bytes(0) if self.cache is not None else 0
+        cache = self.cache
+        return cache.resident_bytes(0) if cache is not None else 0
 
     def reset(self) -> None:
         """Forget the cache (after a failed or interrupted prefill); the next turn prefills it all."""

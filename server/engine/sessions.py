@@ -76,10 +76,10 @@ class SessionStore:
             self._expire()
 
     def resident(self) -> tuple[int, int]:
-        """(tokens, bytes) held by the caches of idle sessions."""
+        """(tokens, bytes) held by the caches sessions keep (not those a request in flight took)."""
         with self._lock:
-            idle = [s for s in self._sessions.values() if not s.busy]
-            return sum(s.resident_tokens for s in idle), sum(s.resident_bytes for s in idle)
+            sessions = list(self._sessions.values())
+            return sum(s.resident_tokens for s in sessions), sum(s.resident_bytes for s in sessions)
 
     def expire(self) -> None:
         with self._lock:

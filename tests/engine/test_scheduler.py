@@ -5,7 +5,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence, Status
 from server.engine.session import Session
 from server.engine.turn import Turn
-from server.engine.types import QueueFull
+from server.engine.types import EngineNotReady, QueueFull
 
 
 def sequence(gen, n_tokens: int) -> Sequence:
@@ -52,3 +52,12 @@ def test_prefill_waits_for_a_free_row(tiny_model, byte_tokenizer):
     assert scheduler.next_prefill() is None
     scheduler.leave(first)
     assert scheduler.next_prefill() is second
+
+
+def test_nothing_is_queued_once_stopping(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
+    scheduler = Scheduler(gen.new_cache(0), max_batch_size=1, max_queue=4)
+    scheduler.stop()
+    with pytest.raises(EngineNotReady):
+        scheduler.add(sequence(gen, 2))
+    assert scheduler.wait_for_work() is False and scheduler.drain() == []
