@@ -1,0 +1,79 @@
+"""Settings: every field has a default and a description, reads a flag and an H2O_* variable."""
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+from pydantic_settings import CliApp
+
+from h2o_cache import CacheConfig
+from server.__main__ import main
+from server.settings import ServerSettings
+
+FLAGS = ["--host", "--port", "--model", "--device", "--dtype", "--policy", "--kv-budget", "--heavy-ratio",
+         "--sink-tokens", "--no-position-rolling", "--max-batch-size", "--max-queue", "--max-sessions",
+         "--session-ttl", "--api-key", "--max-prompt-tokens", "--prefill-chunk", "--threads", "--served-model-name"]
+
+
+def parse(*args: str) -> ServerSettings:
+    return CliApp.run(ServerSettings, cli_args=list(args))
+
+
+def test_every_field_has_a_default_and_a_description():
+    for name, field in ServerSettings.model_fields.items():
+        assert not field.is_required(), name
+        assert field.description and len(field.description) > 10, name
+    assert ServerSettings().host == "127.0.0.1" and ServerSettings().port == 8000
+
+
+def test_help_lists_every_flag_with_its_description(capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse("--help")
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in FLAGS:
+        assert flag in text, flag
+    assert "tokens each layer/KV head keeps" in text
+
+
+def test_flags_reach_the_cache_and_engine_configs():
+    s = parse("--policy", "streaming", "--kv-budget", "64", "--heavy-ratio", "0.25", "--sink-tokens", "2",
+              "--no-position-rolling", "--max-batch-size", "4", "--max-queue", "9", "--max-sessions", "3",
+              "--session-ttl", "60", "--max-prompt-tokens", "1000", "--prefill-chunk", "32")
+    assert s.cache_config() == CacheConfig(policy="streaming", budget=64, heavy_ratio=0.25, sink_tokens=2,
+                                           position_rolling=False, prefill_chunk=32)
+    engine = s.engine_config(context_window=2048)
+    assert (engine.max_batch_size, engine.max_queue, engine.max_sessions, engine.session_ttl) == (4, 9, 3, 60.0)
+    assert (engine.max_prompt_tokens, engine.prefill_chunk, engine.context_window) == (1000, 32, 2048)
+
+
+def test_api_key_is_repeatable_and_environment_variables_work(monkeypatch):
+    assert parse("--api-key", "a", "--api-key", "b").api_key == ["a", "b"]
+    monkeypatch.setenv("H2O_KV_BUDGET", "99")
+    monkeypatch.setenv("H2O_API_KEY", '["x"]')
+    monkeypatch.setenv("H2O_POSITION_ROLLING", "false")
+    s = parse()
+    assert (s.kv_budget, s.api_key, s.position_rolling) == (99, ["x"], False)
+    assert parse("--kv-budget", "7").kv_budget == 7, "a flag wins over the environment"
+
+
+@pytest.mark.parametrize("args", [["--port", "0"], ["--kv-budget", "1"], ["--heavy-ratio", "1.5"],
+                                  ["--policy", "lru"], ["--device", "tpu"], ["--max-batch-size", "0"]])
+def test_out_of_bounds_values_are_refused(args):
+    with pytest.raises((ValidationError, SystemExit)):
+        parse(*args)
+
+
+def test_threads_default_to_the_usable_cores():
+    assert ServerSettings().torch_threads() >= 1 and ServerSettings(threads=3).torch_threads() == 3
+
+
+def test_an_inconsistent_budget_exits_before_loading(capsys):
+    assert main(["--kv-budget", "4", "--sink-tokens", "8"]) == 2
+    assert "sink tokens" in capsys.readouterr().err
+
+
+def test_python_dash_m_server_help():
+    r = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--kv-budget" in r.stdout and "H2O_KV_BUDGET" in r.stdout
