@@ -17,7 +17,8 @@ class SessionStore:
 
     `claim` marks a session busy for one request and `release` hands it back; busy sessions are
     never dropped. Idle ones go after `ttl` seconds or, beyond `max_sessions`, least recently used
-    first. Called from the asyncio thread (claim) and the engine thread (release, reset), hence the lock.
+    first; expiry is checked whenever a request arrives or ends and when stats are read. Called
+    from the asyncio thread (claim, expire) and the engine thread (release), hence the lock.
     """
 
     def __init__(self, max_sessions: int, ttl: float, clock: Callable[[], float] = time.monotonic):
