@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, on_load_failure=stop_serving)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level, timeout_graceful_shutdown=5))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 1 if app.state.load_error else 0
 
 
