@@ -11,6 +11,7 @@ POISON = "|"  # a prompt holding it fails in prefill, see `fail_prefill_of_poiso
 
 
 async def first_delta(handle):
+    """Wait for the first token. Keep the returned stream: dropping it cancels the request."""
     stream = aiter(handle)
     return stream, await anext(stream)
 
@@ -30,7 +31,7 @@ def assert_consistent(engine, session_id):
 async def test_cancel_frees_the_slot_and_keeps_the_session_continuable(make_engine):
     engine = make_engine(max_batch_size=1)
     handle = await engine.submit(ask("never ending", greedy(5000)))
-    await first_delta(handle)
+    stream, _ = await first_delta(handle)
     handle.cancel()
     after = await asyncio.wait_for(collect(await engine.submit(ask("next", greedy(4)))), 30)
     assert len(after.token_ids) == 4
@@ -45,11 +46,12 @@ async def test_cancel_while_waiting_gives_the_session_its_cache_back(make_engine
     engine = make_engine(max_batch_size=1)
     first = await collect(await engine.submit(ask("hello there", greedy(6))))
     blocker = await engine.submit(ask("blocking", greedy(5000)))
-    await first_delta(blocker)
+    stream, _ = await first_delta(blocker)
     more = [{"role": "user", "content": "go on"}]
     queued = await engine.submit(ChatRequest(more, greedy(3), session_id=first.session_id))
     queued.cancel()
     await until(lambda: engine.stats().waiting == 0)
+    assert engine.stats().running == 1  # the blocker kept its row: the queued request never started
     blocker.cancel()
     continued = await collect(await engine.submit(ChatRequest(more, greedy(3), session_id=first.session_id)))
     assert continued.finish.usage.cached_tokens == first.finish.usage.conversation_tokens
@@ -79,6 +81,29 @@ async def test_a_failed_prefill_fails_only_its_request(make_engine, monkeypatch)
     assert together.token_ids == alone.token_ids
     assert engine.stats().requests_by_finish == {"length": 2, "error": 1}
     assert len((await collect(await engine.submit(ask("still alive", greedy(3))))).token_ids) == 3
+
+
+async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, monkeypatch):
+    engine = make_engine(prefill_chunk=16)
+    runner, events = engine.batcher.runner, []
+    prefill, decode = runner.prefill, runner.decode
+
+    def record_prefill(seq):
+        events.append(("prefill", seq.request_id, len(seq.next_chunk(16))))
+        return prefill(seq)
+
+    monkeypatch.setattr(runner, "prefill", record_prefill)
+    monkeypatch.setattr(runner, "decode", lambda batch: events.append(("decode", batch.batch_size)) or decode(batch))
+    running = await engine.submit(ask("never ending", greedy(5000)))
+    stream, _ = await first_delta(running)
+    long = await collect(await engine.submit(ask("a prompt of about a hundred tokens " * 3, greedy(4), request_id="long")))
+    assert len(long.token_ids) == 4  # joined and finished while the first request kept running
+    running.cancel()
+    chunks = [i for i, event in enumerate(events) if event[:2] == ("prefill", "long")]
+    assert len(chunks) == -(-long.finish.usage.prompt_tokens // 16) > 1
+    assert all(events[i][2] <= 16 for i in chunks)
+    assert all(events[i + 1] == ("decode", 1) for i in chunks[:-1])  # the batch advanced meanwhile
+    assert ("decode", 2) in events[chunks[-1]:]  # then both decoded together
 
 
 async def test_a_failed_decode_step_fails_only_the_row_that_raises(make_engine, monkeypatch):
