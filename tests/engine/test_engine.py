@@ -34,8 +34,9 @@ async def test_batched_greedy_replies_equal_one_at_a_time(make_engine, policy, b
         assert together.token_ids == alone.token_ids and together.text == alone.text
 
 
-async def test_resent_history_prefills_only_the_new_turn_and_matches_a_fresh_prefill(make_engine):
-    engine = make_engine(policy="full")
+@pytest.mark.parametrize("policy", ["full", "h2o"])  # h2o's budget (256) is never reached here
+async def test_resent_history_prefills_only_the_new_turn_and_matches_a_fresh_prefill(make_engine, policy):
+    engine = make_engine(policy=policy, budget=256)
     first = await collect(await engine.submit(ask("hello there", greedy(12))))
     history = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.text},
                {"role": "user", "content": "and then?"}]
