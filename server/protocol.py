@@ -54,7 +54,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator accepts
     stop: Stop = []
     n: int | None = 1
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)

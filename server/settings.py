@@ -85,4 +85,6 @@ class ServerSettings(BaseSettings):
 
     def torch_threads(self) -> int:
         """Cores this process may run on (a container's CPU set, not the host's), unless --threads says."""
-        return self.threads or len(os.sched_getaffinity(0))
+        if self.threads:
+            return self.threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import threading
@@ -43,12 +42,6 @@ def serving(app):
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-
-
-async def wait_for(condition, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -40,6 +40,8 @@ async def test_malformed_json(client):
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": USER, "n": 2}, "n"),
     ({"messages": USER, "top_k": -1}, "top_k"),
+    ({"messages": USER, "seed": 2**64}, "seed"),
+    ({"messages": USER, "stop": [""]}, "stop.[0]"),
 ])
 async def test_bad_requests_name_the_field(client, engine, body, param):
     err = error_of(await client.post(URL, json=body), 400)
@@ -53,6 +55,8 @@ async def test_n_other_than_one_says_so(client):
 
 async def test_body_that_is_not_an_object(client):
     assert error_of(await client.post(URL, json=[1, 2]), 400)["param"] is None
+    form = await client.post(URL, content=b'{"messages": []}', headers={"content-type": "text/plain"})
+    assert "Content-Type: application/json" in error_of(form, 400)["message"]
 
 
 @pytest.mark.parametrize("error,status,code", [

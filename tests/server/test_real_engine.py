@@ -10,8 +10,8 @@ from h2o_cache import CacheConfig
 from server.app import create_app
 from server.engine import Engine, EngineConfig
 from server.settings import ServerSettings
-from tests.engine.conftest import render
-from tests.server.conftest import serving, wait_for
+from tests.engine.conftest import render, until
+from tests.server.conftest import serving
 
 BUDGET = 24
 URL = "/v1/chat/completions"
@@ -74,7 +74,7 @@ async def test_a_disconnected_stream_frees_its_batch_slot(live_url, engine):
             async for line in r.aiter_lines():
                 if '"content":"' in line and '"content":""' not in line:
                     break
-    await wait_for(lambda: engine.stats().requests_by_finish.get("cancelled") == 1, timeout=30)
+    await until(lambda: engine.stats().requests_by_finish.get("cancelled") == 1, timeout=30)
     assert engine.stats().running == 0 and engine.stats().waiting == 0
 
 

@@ -9,7 +9,7 @@ import pytest
 from server import app as app_module
 from server.app import create_app
 from server.settings import ServerSettings
-from tests.server.conftest import wait_for
+from tests.engine.conftest import until
 from tests.server.fake_engine import FakeEngine
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_]+="[^"]*"(,[a-zA-Z_]+="[^"]*")*\})? (-?[0-9.e+-]+|\+Inf)$')
@@ -42,7 +42,7 @@ async def test_health_is_503_while_loading_then_200(slow_load):
         assert chat.status_code == 503 and chat.json()["error"]["code"] == "model_not_ready"
         assert "h2o_model_ready 0" in (await client.get("/metrics")).text
         release.set()
-        await wait_for(lambda: app.state.engine is not None)
+        await until(lambda: app.state.engine is not None)
         assert (await client.get("/health")).status_code == 200
     assert not built[0].ready, "shutdown stops the engine the app built"
 
@@ -55,7 +55,7 @@ async def test_a_failed_load_is_reported(slow_load):
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         release.set()
-        await wait_for(lambda: failures)
+        await until(lambda: failures)
         r = await client.get("/health")
     assert r.status_code == 503 and r.json() == {"status": "failed", "error": "FileNotFoundError: no such model"}
 

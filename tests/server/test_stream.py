@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from server.engine.types import GenerationFailed
-from tests.server.conftest import wait_for
+from tests.engine.conftest import until
 
 URL = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "one two three"}], "stream": True}
@@ -74,6 +74,6 @@ async def test_client_disconnect_cancels_the_request(live_url, engine, stream):
     engine.hold = asyncio.Event()  # never set: the reply never comes
     async with httpx.AsyncClient(base_url=live_url, timeout=10) as client:
         request = asyncio.create_task(client.post(URL, json={**BODY, "stream": stream}))
-        await wait_for(lambda: engine.handles)
+        await until(lambda: engine.handles)
         request.cancel()  # httpx closes the connection under a cancelled request
-    await wait_for(lambda: engine.handles[0].cancelled.is_set())
+    await until(lambda: engine.handles[0].cancelled.is_set())
