@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import uuid
-
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from server.engine.types import ChatRequest, EngineNotReady
+from server.engine.types import ChatRequest, EngineError, EngineNotReady
+from server.errors import from_engine_error
 from server.protocol import ChatCompletion, ChatCompletionRequest
 from server.routes.auth import api_key_owner
 from server.routes.completion import Completion
@@ -30,20 +29,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if engine is None:
         raise EngineNotReady("the model is still loading; retry when /health answers 200")
     settings = state.settings
+    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]))
     chat = ChatRequest(
         messages=body.engine_messages(),
         params=body.sampling_params(settings.default_max_tokens, settings.max_tokens_limit),
         owner=owner,
         session_id=body.session_id or request.headers.get(SESSION_HEADER) or None,
-        request_id=uuid.uuid4().hex,
+        request_id=completion.id,
     )
     handle = await engine.submit(chat)
-    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]))
     headers = {SESSION_HEADER: handle.session_id}
     if body.stream:
         return StreamingResponse(completion.stream(handle, body.include_usage), media_type="text/event-stream",
                                  headers=headers | STREAM_HEADERS)
-    reply = await completion.body(handle, request)
+    try:
+        reply = await completion.body(handle, request)
+    except EngineError as exc:  # failed midway: the session exists, so the error names it too
+        error = from_engine_error(exc)
+        error.headers = (error.headers or {}) | headers
+        raise error from exc
     if reply is None:  # the client is gone; nobody reads this
         return Response(status_code=499, headers=headers)
     return JSONResponse(reply.model_dump(), headers=headers)

@@ -28,13 +28,14 @@ async def test_request_becomes_sampling_params_and_engine_messages(client, engin
             "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
             "presence_penalty": 1, "frequency_penalty": -1, "top_k": 5, "ignore_eos": True,
             "some_future_field": {"ignored": True}}
-    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
     [request] = engine.requests
     assert request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert request.params == SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.5, top_k=5, seed=3,
                                             stop=("x",), ignore_eos=True, presence_penalty=1.0,
                                             frequency_penalty=-1.0)
-    assert request.owner == "" and request.session_id is None and request.request_id
+    assert request.owner == "" and request.session_id is None and request.request_id == r.json()["id"]
 
 
 async def test_defaults_follow_openai_and_max_tokens_is_capped(client, engine, app):

@@ -81,6 +81,12 @@ def test_engine_error_subclasses_map_like_their_parent():
     assert (error.status, error.headers) == (429, {"Retry-After": "3"})
 
 
+async def test_failure_midway_names_the_session(client, engine):
+    engine.fail_after = 1
+    r = await client.post(URL, json={"messages": USER})
+    assert error_of(r, 500)["code"] == "generation_failed" and r.headers["x-session-id"] == "s0"
+
+
 async def test_unknown_session_is_404(client):
     err = error_of(await client.post(URL, json={"messages": USER}, headers={"X-Session-ID": "nope"}), 404)
     assert err["code"] == "session_not_found" and err["param"] == "session_id"
