@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from server.engine.types import ChatRequest, EngineError, EngineNotReady
 from server.errors import from_engine_error
@@ -40,8 +41,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     handle = await engine.submit(chat)
     headers = {SESSION_HEADER: handle.session_id}
     if body.stream:
+        async def cancel() -> None:  # async: a sync background task would run on a worker thread
+            handle.cancel()
+
+        # The background task also cancels a stream the client left before its first chunk was pulled,
+        # when the generator never started and so never reaches its own `finally`.
         return StreamingResponse(completion.stream(handle, body.include_usage), media_type="text/event-stream",
-                                 headers=headers | STREAM_HEADERS)
+                                 headers=headers | STREAM_HEADERS, background=BackgroundTask(cancel))
     try:
         reply = await completion.body(handle, request)
     except EngineError as exc:  # failed midway: the session exists, so the error names it too

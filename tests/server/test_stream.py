@@ -77,3 +77,22 @@ async def test_client_disconnect_cancels_the_request(live_url, engine, stream):
         await until(lambda: engine.handles)
         request.cancel()  # httpx closes the connection under a cancelled request
     await until(lambda: engine.handles[0].cancelled.is_set())
+
+
+async def test_a_stream_left_before_its_first_chunk_is_cancelled(app, engine):
+    """The client is gone while the response is still sending its headers: the generator never starts."""
+    messages = [{"type": "http.request", "body": json.dumps(BODY).encode(), "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            await asyncio.Event().wait()  # a slow socket: only the disconnect's cancellation ends this
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": URL, "raw_path": URL.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("test", 80)}
+    await app(scope, receive, send)
+    assert engine.handles[0].cancelled.is_set()
