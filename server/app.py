@@ -9,6 +9,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Callable
 
+import torch
 from fastapi import FastAPI
 
 from h2o_cache import load_model
@@ -25,15 +26,14 @@ log = logging.getLogger("server")
 
 def build_engine(settings: ServerSettings) -> Engine:
     """Load the model and start an engine on it (seconds to minutes: runs off the event loop)."""
-    import torch
-
     torch.set_num_threads(settings.torch_threads())
     model, tokenizer = load_model(settings.model, settings.device, settings.dtype)
     # Only the `full` policy is bounded by the model's context; evicting policies roll positions.
     context_window = getattr(model.config, "max_position_embeddings", None)
-    engine = Engine(model, tokenizer, settings.cache_config(), settings.engine_config(context_window))
+    cache_config = settings.cache_config()
+    engine = Engine(model, tokenizer, cache_config, settings.engine_config(context_window))
     engine.start()
-    log.info("model %s ready: %s", model_name(settings.model), settings.cache_config().describe())
+    log.info("model %s ready: %s", model_name(settings.model), cache_config.describe())
     return engine
 
 
@@ -50,6 +50,9 @@ class EngineLoader:
         self.loop = asyncio.get_running_loop()
         self.closed = False
         self.thread = threading.Thread(target=self._load, name="model-loader", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
 
     def _load(self) -> None:
         try:
@@ -94,7 +97,7 @@ def create_app(settings: ServerSettings, engine: Engine | None = None,
             yield
             return
         loader = EngineLoader(app, on_load_failure)
-        loader.thread.start()
+        loader.start()
         try:
             yield
         finally:
