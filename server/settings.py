@@ -7,10 +7,10 @@ a flag wins over the environment.
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, CliImplicitFlag, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, CliImplicitFlag, NoDecode, SettingsConfigDict
 
 from h2o_cache import CacheConfig
 from server.engine.types import EngineConfig
@@ -28,10 +28,10 @@ class ServerSettings(BaseSettings):
     # ----- HTTP -------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0 for every interface)")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
-    api_key: list[str] = Field(
+    api_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="accepted API key, repeatable; when any is set, requests need `Authorization: Bearer KEY` "
-                    "(environment: a JSON list)",
+                    "(environment: comma-separated)",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="uvicorn log level")
@@ -70,6 +70,12 @@ class ServerSettings(BaseSettings):
     default_max_tokens: int = Field(512, ge=1, le=1_000_000, description="reply tokens when a request sets none")
     max_tokens_limit: int = Field(
         4096, ge=1, le=1_000_000, description="most reply tokens a request gets; larger max_tokens are capped")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, keys):
+        """H2O_API_KEY=k1,k2 (plain text rather than JSON, so `docker run -e H2O_API_KEY=...` just works)."""
+        return [k.strip() for k in keys.split(",") if k.strip()] if isinstance(keys, str) else keys
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,

@@ -47,10 +47,10 @@ def test_flags_reach_the_cache_and_engine_configs():
 def test_api_key_is_repeatable_and_environment_variables_work(monkeypatch):
     assert parse("--api-key", "a", "--api-key", "b").api_key == ["a", "b"]
     monkeypatch.setenv("H2O_KV_BUDGET", "99")
-    monkeypatch.setenv("H2O_API_KEY", '["x"]')
+    monkeypatch.setenv("H2O_API_KEY", "x, y")
     monkeypatch.setenv("H2O_POSITION_ROLLING", "false")
     s = parse()
-    assert (s.kv_budget, s.api_key, s.position_rolling) == (99, ["x"], False)
+    assert (s.kv_budget, s.api_key, s.position_rolling) == (99, ["x", "y"], False)
     assert parse("--kv-budget", "7").kv_budget == 7, "a flag wins over the environment"
 
 
