@@ -28,7 +28,7 @@ def run_steps() -> list[str]:
 
 def test_install_steps_are_the_readme_serve_command():
     steps = [" ".join(s.split()) for s in readme_block("serve-command").split("&&")]
-    assert steps[-1].endswith("-m server"), "the serve command should end by starting the server"
+    assert "-m server" in steps[-1], "the serve command should end by starting the server"
     installs = steps[:-1]
     docker = run_steps()
     found = [docker.index(s) if s in docker else -1 for s in installs]
