@@ -8,6 +8,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.engine.types import (
@@ -15,6 +16,19 @@ from server.engine.types import (
 )
 
 log = logging.getLogger("server")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response, and of the error frame of a stream."""
+
+    error: ErrorInfo
 
 
 class APIError(Exception):
@@ -27,7 +41,8 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

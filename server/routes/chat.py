@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from server.engine.types import ChatRequest, EngineError, EngineNotReady
-from server.errors import from_engine_error
+from server.errors import ErrorResponse, from_engine_error
 from server.protocol import ChatCompletion, ChatCompletionRequest
 from server.routes.auth import api_key_owner
 from server.routes.completion import Completion
@@ -20,7 +20,9 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={200: {"content": {"text/event-stream": {}}}})
+             responses={200: {"content": {"text/event-stream": {}}},
+                        "4XX": {"model": ErrorResponse, "description": "refused (400 for invalid fields, not 422)"},
+                        "5XX": {"model": ErrorResponse, "description": "not ready (503) or failed"}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  owner: str = Depends(api_key_owner)) -> Response:
     """A chat reply. The session id (body `session_id` or the `X-Session-ID` header) continues a

@@ -110,3 +110,9 @@ async def test_a_bug_is_a_500_without_details_and_the_server_keeps_serving(app, 
 async def test_api_error_body_is_the_one_shape():
     assert APIError(400, "m", param="p", code="c").body() == {
         "error": {"message": "m", "type": "invalid_request_error", "param": "p", "code": "c"}}
+
+
+def test_openapi_documents_the_error_shape_not_fastapis_422(app):
+    responses = app.openapi()["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in responses and responses["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ErrorResponse")
