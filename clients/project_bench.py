@@ -40,7 +40,8 @@ async def conversation_cost(url: str, turns: list[str], max_tokens: int) -> dict
         conv = Conversation(resend=True)
         for text in turns:
             try:
-                t = await conv.ask(client, text, model=model, max_tokens=max_tokens, temperature=0.0, extra=FIXED_LENGTH)
+                t = await conv.ask(client, text, model=model, max_tokens=max_tokens, temperature=0.0,
+                                   extra=FIXED_LENGTH)
             except ApiError as e:
                 return {"turns": rows, "error": f"turn {len(rows) + 1}: {e}"}
             rows.append({"s_per_token": t.seconds_per_token, "completion_tokens": t.completion_tokens,
@@ -69,27 +70,28 @@ def ratio(a: float, b: float) -> str:
 
 
 def report(results: dict[str, dict], args) -> str:
-    labels = list(results)
-    rows = []
-    for n in args.streams:
-        tps = [results[p]["sweep"][n]["aggregate_tps"] for p in labels]
-        rows.append([f"aggregate tok/s, {n} stream{'s' * (n > 1)}", *[f"{x:.1f}" for x in tps], ""])
-    base = args.streams[0]
-    for n in args.streams[1:]:
-        rows.append([f"{n} streams / {base} stream", *[ratio(results[p]["sweep"][n]["aggregate_tps"],
-                                                            results[p]["sweep"][base]["aggregate_tps"]) for p in labels],
-                     ">= 4x" if n == 8 and base == 1 else ""])
-    convs = [results[p]["conversation"]["turns"] for p in labels]
-    n_turns = args.conversation_turns
-    rows += [["turn 1 ms/token (whole turn)", *[f"{c[0]['s_per_token'] * 1000:.1f}" if c else "failed" for c in convs], ""],
-             [f"turn {n_turns} ms/token", *[f"{c[-1]['s_per_token'] * 1000:.1f}" if len(c) == n_turns else "failed"
-                                            for c in convs], ""],
-             [f"turn {n_turns} / turn 1", *[ratio(c[-1]["s_per_token"], c[0]["s_per_token"]) if len(c) == n_turns
-                                            else "failed" for c in convs], "h2o ~1x"],
-             ["conversation tokens at the end", *[str(c[-1]["conversation_tokens"]) if c else "-" for c in convs], ""],
-             ["resident KV tokens at the end", *[str(c[-1]["kv_resident_tokens"]) if c else "-" for c in convs], ""]]
-    errors = [f"{p}: {results[p]['conversation']['error']}" for p in labels if results[p]["conversation"]["error"]]
-    return "\n".join([format_table(["measure", *labels, "target"], rows), *errors])
+    """One table: a column per policy, a row per measure, ratios measured in this run."""
+    def row(name: str, cell, target: str = "") -> list[str]:
+        return [name, *[cell(r["sweep"], r["conversation"]["turns"]) for r in results.values()], target]
+
+    def turn_ms(turns: list[dict], i: int) -> str:
+        done = len(turns) == args.conversation_turns if i else bool(turns)
+        return f"{turns[i]['s_per_token'] * 1000:.1f}" if done else "failed"
+
+    base, last = args.streams[0], args.conversation_turns
+    rows = [row(f"aggregate tok/s, {n} stream{'s' * (n > 1)}", lambda sw, _, n=n: f"{sw[n]['aggregate_tps']:.1f}")
+            for n in args.streams]
+    rows += [row(f"{n} streams / {base} stream",
+                 lambda sw, _, n=n: ratio(sw[n]["aggregate_tps"], sw[base]["aggregate_tps"]),
+                 ">= 4x" if (n, base) == (8, 1) else "") for n in args.streams[1:]]
+    rows += [row("turn 1 ms/token (whole turn)", lambda _, t: turn_ms(t, 0)),
+             row(f"turn {last} ms/token", lambda _, t: turn_ms(t, -1)),
+             row(f"turn {last} / turn 1", lambda _, t: ratio(t[-1]["s_per_token"], t[0]["s_per_token"])
+                 if len(t) == last else "failed", "h2o ~1x"),
+             row("conversation tokens at the end", lambda _, t: str(t[-1]["conversation_tokens"]) if t else "-"),
+             row("resident KV tokens at the end", lambda _, t: str(t[-1]["kv_resident_tokens"]) if t else "-")]
+    errors = [f"{p}: {r['conversation']['error']}" for p, r in results.items() if r["conversation"]["error"]]
+    return "\n".join([format_table(["measure", *results, "target"], rows), *errors])
 
 
 def main(argv=None) -> int:
