@@ -65,7 +65,8 @@ def test_gpu_profile_reserves_a_gpu():
     assert profile_of(gpu) == {"gpu"}
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
-    assert "cuda" in gpu["build"]["args"]["BASE_IMAGE"]
+    assert "cuda" in gpu["build"]["args"]["BASE_IMAGE"] and gpu["environment"]["H2O_DEVICE"] == "cuda"
+    assert gpu["environment"]["H2O_POLICY"] == SERVICES["server"]["environment"]["H2O_POLICY"]
 
 
 def test_scale_profile_routes_replicas_by_session():
