@@ -5,6 +5,7 @@ from h2o_cache import load_model
 from h2o_cache.loading import default_model_path, model_name, resolve_device, resolve_dtype
 
 
+@pytest.mark.model
 def test_default_model_is_the_embedded_gguf():
     path = default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()

@@ -1,0 +1,73 @@
+"""The same guarantees on a GPU, in the dtypes used there (skipped where CUDA is absent, as in CI)."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from h2o_cache import CacheConfig, Generator, SamplingParams
+from tests.conftest import tiny_llama
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def reference_greedy(model, prompt, n):
+    cache, ids, out = DynamicCache(config=model.config), torch.tensor([prompt], device="cuda"), []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(ids, past_key_values=cache).logits[0, -1].argmax()))
+            ids = torch.tensor([out[-1:]], device="cuda")
+    return out
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def cuda_model(request):
+    return tiny_llama().to("cuda", request.param)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "full"])
+def test_matches_transformers_on_cuda_when_budget_covers_everything(cuda_model, byte_tokenizer, policy):
+    gen = Generator(cuda_model, byte_tokenizer, CacheConfig(policy=policy, budget=128, prefill_chunk=16))
+    prompt = list(range(3, 40))
+    [out] = gen.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert out.token_ids == reference_greedy(cuda_model, prompt, 20)
+
+
+def test_batched_equals_single_with_eviction_on_cuda(cuda_model, byte_tokenizer):
+    gen = Generator(cuda_model, byte_tokenizer, CacheConfig(policy="h2o", budget=12, prefill_chunk=8))
+    prompts = [list(range(3, 30)), [9, 8, 7], list(range(50, 70))]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
+    cache = gen.new_cache(3)
+    batched = gen.generate(prompts, params, cache)
+    assert cache._scores.dtype == torch.float32 and cache._keys.dtype == cuda_model.dtype
+    assert cache._keys.device.type == "cuda" and max(cache.lengths) <= 12
+    for prompt, out in zip(prompts, batched):
+        [alone] = gen.generate([prompt], params)
+        assert out.token_ids == alone.token_ids
+
+
+def test_engine_serves_concurrent_requests_on_cuda(cuda_model, byte_tokenizer):
+    from server.engine import ChatRequest, Engine, EngineConfig, Finish
+    from tests.engine.conftest import render
+
+    async def run():
+        engine = Engine(cuda_model, byte_tokenizer, CacheConfig(policy="h2o", budget=32),
+                        EngineConfig(prefill_chunk=16), render=render)
+        engine.start()
+        try:
+            params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+            handles = [await engine.submit(ChatRequest([{"role": "user", "content": f"q{i}" * 20}], params))
+                       for i in range(4)]
+            finishes = []
+            for handle in handles:
+                async for item in handle:
+                    if isinstance(item, Finish):
+                        finishes.append(item)
+            return finishes
+        finally:
+            engine.stop()
+
+    finishes = asyncio.run(run())
+    assert [f.usage.completion_tokens for f in finishes] == [40] * 4
+    assert all(f.usage.kv_resident_tokens <= 32 for f in finishes)
