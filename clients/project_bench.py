@@ -22,6 +22,8 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from tqdm import tqdm
+
 from clients.api import ApiError, Conversation, ServerUnavailable, make_client, served_model
 from clients.loadbench import format_table, run_load
 from clients.questions import QuestionsNotFound, mtbench_turns
@@ -38,7 +40,7 @@ async def conversation_cost(url: str, turns: list[str], max_tokens: int) -> dict
     async with make_client(url) as client:
         model = await served_model(client)
         conv = Conversation(resend=True)
-        for text in turns:
+        for text in tqdm(turns, unit="turn", file=sys.stderr, leave=False):
             try:
                 t = await conv.ask(client, text, model=model, max_tokens=max_tokens, temperature=0.0,
                                    extra=FIXED_LENGTH)
@@ -56,7 +58,7 @@ async def measure(url: str, args, prompts: list[str]) -> dict:
     sweep = {}
     for n in args.streams:
         r = await run_load(url, sessions=n, turns=args.rounds, max_tokens=args.max_tokens, prompts=prompts[n:],
-                           ignore_eos=True)
+                           ignore_eos=True, progress=True)
         sweep[n] = r.summary()
         first_error = f" (first: {r.errors[0]})" if r.errors else ""
         print(f"  {n:2d} streams: {sweep[n]['aggregate_tps']:.1f} tok/s, {len(r.errors)} errors{first_error}", flush=True)
