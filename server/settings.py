@@ -55,6 +55,9 @@ class ServerSettings(BaseSettings):
     heavy_ratio: float = Field(0.5, ge=0.0, le=1.0, description="share of the budget given to heavy hitters (h2o)")
     sink_tokens: int | None = Field(
         None, ge=0, le=1024, description="first tokens always kept; unset: the policy's default (streaming: 4)")
+    evict_slack: int | None = Field(
+        None, ge=1, le=1_000_000, description="a cache over its budget is evicted down to budget - slack, so "
+                                              "eviction runs once per slack steps; unset: budget // 16, 1: every step")
     position_rolling: CliImplicitFlag[bool] = Field(
         True, description="give cached keys the positions of their slots, so RoPE never sees a position "
                           "beyond the budget (--no-position-rolling keeps the original positions)")
@@ -79,8 +82,8 @@ class ServerSettings(BaseSettings):
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
-                           sink_tokens=self.sink_tokens, position_rolling=self.position_rolling,
-                           prefill_chunk=self.prefill_chunk)
+                           sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
+                           position_rolling=self.position_rolling, prefill_chunk=self.prefill_chunk)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""
