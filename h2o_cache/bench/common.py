@@ -1,0 +1,46 @@
+"""What the bench programs share: model/thread options, repo-relative data paths, markdown tables."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def data_path(name: str) -> Path:
+    """A file of the shared data set, which sits beside the repository (../shared/data)."""
+    return REPO_ROOT / ".." / "shared" / "data" / name
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are compared on 2)")
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer) as chosen by the options of `add_model_args`."""
+    from h2o_cache import load_model
+
+    torch.set_num_threads(args.threads)
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence], caption: str = "") -> str:
+    lines = [f"{caption}\n" if caption else ""]
+    lines.append("| " + " | ".join(headers) + " |")
+    lines.append("|" + "|".join("---" for _ in headers) + "|")
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines).lstrip("\n")

@@ -1,0 +1,120 @@
+"""Decode-step cost of H2O bookkeeping vs. the full cache, as ratios measured in one run.
+
+For each scenario and batch size, an H2O cache and a full cache are prefilled with the same random
+tokens, then timed over windows of `--steps` decode steps (one token per row), interleaved
+h2o/full/h2o/full... for `--reps` repetitions after `--warmup` steps. The table gives the median
+step time of each and the median of the per-repetition ratios, so slow drifts of a shared machine
+cancel. Timings are only comparable on a quiet machine with a fixed thread count.
+
+Scenarios:
+- short, no eviction: a short context under a large budget; cost of scoring and rolling alone.
+- short, evicting: context at the budget, so a window of `--steps` >= slack steps includes an
+  eviction (compaction + re-rotation); the full cache starts with the same tokens.
+- long: a long context; H2O holds `--budget` tokens while the full cache holds them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from h2o_cache import CacheConfig, Generator, H2OCache
+from h2o_cache.bench.common import add_model_args, load, markdown_table
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    context: int  # prompt tokens per row before timing starts
+    h2o: CacheConfig
+    target: str  # what the report expects of h2o / full
+    max_ratio: float
+
+
+@dataclass
+class Timing:
+    scenario: Scenario
+    batch: int
+    full_ms: float
+    h2o_ms: float
+    ratio: float  # median over repetitions of h2o / full
+
+
+def scenarios(short: int, budget: int, long: int, large_budget: int = 8192) -> list[Scenario]:
+    return [
+        Scenario(f"short ({short} tok), no eviction", short, CacheConfig(budget=large_budget), "<= 1.15", 1.15),
+        Scenario(f"short ({budget} tok), evicting", budget, CacheConfig(budget=budget), "<= 1.15", 1.15),
+        Scenario(f"long ({long} tok), h2o budget {budget}", long, CacheConfig(budget=budget), "< 1", 1.0),
+    ]
+
+
+def prefilled(gen: Generator, config: CacheConfig, prompt: list[int], batch: int) -> H2OCache:
+    """A cache of `batch` identical rows: one row is prefilled, then copied (prefill dominates otherwise)."""
+    row = gen.new_cache(1, config)
+    gen.prefill(row, [prompt])
+    cache = gen.new_cache(0, config)
+    for _ in range(batch):
+        cache.extend(row)
+    return cache
+
+
+def step_seconds(gen: Generator, cache: H2OCache, steps: int) -> float:
+    """Mean wall time of one decode step (one token per row) over `steps` steps."""
+    piece = [[gen.tokenizer.eos_token_id or 0]] * cache.batch_size
+    began = time.perf_counter()
+    for _ in range(steps):
+        gen.step(cache, piece)
+    return (time.perf_counter() - began) / steps
+
+
+def measure(gen: Generator, scenario: Scenario, batch: int, reps: int = 7, steps: int = 16, warmup: int = 8,
+            seed: int = 0) -> Timing:
+    vocab = gen.model.config.vocab_size
+    prompt = torch.randint(3, vocab, (scenario.context,), generator=torch.Generator().manual_seed(seed)).tolist()
+    caches = {"h2o": prefilled(gen, scenario.h2o, prompt, batch),
+              "full": prefilled(gen, CacheConfig(policy="full"), prompt, batch)}
+    for cache in caches.values():
+        step_seconds(gen, cache, warmup)
+    times = {name: [] for name in caches}
+    for _ in range(reps):
+        for name, cache in caches.items():
+            times[name].append(step_seconds(gen, cache, steps))
+    ratio = statistics.median(h / f for h, f in zip(times["h2o"], times["full"]))
+    return Timing(scenario, batch, 1e3 * statistics.median(times["full"]), 1e3 * statistics.median(times["h2o"]), ratio)
+
+
+def table(timings: list[Timing], caption: str) -> str:
+    rows = [[t.scenario.name, t.batch, t.full_ms, t.h2o_ms, t.ratio, t.scenario.target,
+             "met" if t.ratio <= t.scenario.max_ratio and (t.scenario.max_ratio > 1 or t.ratio < 1) else "MISSED"]
+            for t in timings]
+    headers = ["scenario", "batch", "full ms/step", "h2o ms/step", "h2o / full", "target", ""]
+    return markdown_table(headers, rows, caption)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="rows decoded together")
+    parser.add_argument("--short-context", type=int, default=128, help="tokens resident in the no-eviction scenario")
+    parser.add_argument("--budget", type=int, default=256, help="H2O budget of the evicting and long scenarios")
+    parser.add_argument("--long-context", type=int, default=4096, help="tokens fed before timing the long scenario")
+    parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions (median reported)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per timed window (>= slack = budget // 16)")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed decode steps per cache first")
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load(args)
+    gen = Generator(model, tokenizer)
+    timings = [measure(gen, s, b, args.reps, args.steps, args.warmup)
+               for s in scenarios(args.short_context, args.budget, args.long_context) for b in args.batch_sizes]
+    caption = (f"Decode step, {args.threads} threads, {model.config.num_hidden_layers} layers, "
+               f"{next(model.parameters()).dtype}, median of {args.reps} interleaved windows of {args.steps} steps")
+    print(table(timings, caption))
+
+
+if __name__ == "__main__":
+    main()
