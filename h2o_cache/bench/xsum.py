@@ -7,7 +7,8 @@ reference summary with ROUGE-2 F1 (rouge_score, stemming).
 Batching: one cache has one budget, so articles are sorted by prompt length and batched in groups
 of `--batch`; a group's budget is `fraction x its shortest prompt`. Every article thus gets at most
 `fraction` of its own length (never more, which would flatter eviction); the table reports the
-mean budget actually given. Prompts are fed in chunks of budget // 4 so eviction runs between
+mean budget actually given. The default length range (300-600 prompt tokens) keeps a batch's
+lengths close, hence its budget close to the fraction of each article. Prompts are fed in chunks of budget // 4 so eviction runs between
 chunks as it would token by token (the cache holds at most 1.25 x budget during a chunk).
 """
 
@@ -125,12 +126,12 @@ def targets(results: dict[tuple[str, float], Scores], fractions: list[float]) ->
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=data_path("xsum_dev.jsonl"), help="JSONL with `document` and `summary` fields")
-    parser.add_argument("--limit", type=int, default=12, help="articles to score (the first that fit the length range)")
-    parser.add_argument("--min-tokens", type=int, default=256, help="shortest chat prompt kept, in tokens")
-    parser.add_argument("--max-tokens", type=int, default=2048, help="longest chat prompt kept, in tokens")
+    parser.add_argument("--limit", type=int, default=16, help="articles to score (the first that fit the length range)")
+    parser.add_argument("--min-tokens", type=int, default=300, help="shortest chat prompt kept, in tokens")
+    parser.add_argument("--max-tokens", type=int, default=600, help="longest chat prompt kept, in tokens")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.4, 0.6, 1.0], help="budgets as fractions of the prompt length")
     parser.add_argument("--policies", nargs="+", default=["h2o", "streaming", "local"], help="evicting policies to compare with full")
-    parser.add_argument("--batch", type=int, default=4, help="articles per batch (one budget per batch, see above)")
+    parser.add_argument("--batch", type=int, default=8, help="articles per batch (one budget per batch, see above)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="summary length limit (greedy; stops at EOS)")
     parser.add_argument("--heavy-ratio", type=float, default=0.5, help="H2O share of heavy hitters in the budget")
     add_model_args(parser)
