@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cache.config import CacheConfig
+from h2o_cache.decode import CacheBuffers
 from h2o_cache.eviction import accumulate_scores, keep_indices
 from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable, rotate_into, unrotate
@@ -174,6 +175,14 @@ class H2OCache(Cache):
         for mine, theirs in zip(self._buffers(), src._buffers()):
             mine[:, dst, :, :length] = theirs[:, src_row, :, :length]
 
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Allocate room for `rows` rows of `capacity` tokens now, so no later pass reallocates."""
+        self._reserve(rows, capacity)
+
+    def buffers(self) -> CacheBuffers:
+        """The storage, for the fast path; reallocated only when a pass needs more rows or tokens."""
+        return CacheBuffers(self._keys, self._values, self._rotated, self._scores)
+
     @torch.no_grad()
     def _reserve(self, rows: int, capacity: int) -> None:
         if rows <= self._rows_capacity and capacity <= self._capacity:
@@ -299,33 +308,54 @@ class H2OCache(Cache):
     def end(self) -> None:
         """Commit the pass: count the new tokens; rows over the budget are evicted down to the target."""
         step, self._step = self._step, None
-        self.lengths = [n + m for n, m in zip(self.lengths, step.n_new)]
-        self.seen = [n + m for n, m in zip(self.seen, step.n_new)]
-        if not self.policy.evicts or max(self.lengths) <= self.config.budget:
-            return
-        budget, target = self.config.budget, self.config.target
-        rows, longest = self.batch_size, max(self.lengths)
-        device = self.spec.device
-        # Only rows over the budget are evicted, so a row evolves the same whatever its batch.
-        keep = [target if n > budget else n for n in self.lengths]
-        scores = self._scores[:, :rows, :, :longest] if self._scores is not None else None
+        self.advance(step.n_new)
+
+    @torch.no_grad()
+    def advance(self, n_new: list[int]) -> None:
+        """Count n_new[b] tokens just written into row b, then evict the rows now over the budget.
+
+        Only those rows are touched, each exactly when it crosses the budget, so a row evolves the
+        same whatever its batch. `end` calls this; the fast path (`StaticDecoder`) calls it directly.
+        """
+        self.lengths = [n + m for n, m in zip(self.lengths, n_new)]
+        self.seen = [n + m for n, m in zip(self.seen, n_new)]
+        if self.policy.evicts:
+            over = [row for row, n in enumerate(self.lengths) if n > self.config.budget]
+            if over:
+                self._evict(over)
+
+    def _evict(self, rows: list[int]) -> None:
+        """Cut each of `rows` to the target: its sinks, its recent window and, per layer and KV head,
+        the tokens of highest priority; kept keys are re-rotated to their new slots when rolling."""
+        spec, target = self.spec, self.config.target
+        device = spec.device
+        longest = max(self.lengths[row] for row in rows)
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):  # the usual case: plain slices, no copies
+            picked = slice(first, first + len(rows))
+        else:
+            picked = torch.tensor(rows, device=device)
+        scores = self._scores[:, picked, :, :longest] if self._scores is not None else None
         priority = self.policy.priority(scores, torch.arange(longest, device=device))
-        priority = priority.expand(self.spec.num_layers, rows, self.spec.num_kv_heads, longest)
-        index = keep_indices(  # [L, B, H, max(keep)]
-            priority, torch.tensor(self.lengths, device=device), torch.tensor(keep, device=device),
-            self.config.sinks, self.config.recent,
+        priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
+        lengths = torch.tensor([self.lengths[row] for row in rows], device=device)
+        index = keep_indices(  # [L, rows, H, target]
+            priority, lengths, torch.full_like(lengths, target), self.config.sinks, self.config.recent,
         )
-        kept = index.shape[-1]
-        expanded = index[..., None].expand(-1, -1, -1, -1, self.spec.head_dim)
-        for buffer in (self._keys, self._values):
-            buffer[:, :rows, :, :kept] = buffer[:, :rows, :, :longest].gather(3, expanded)
+        expanded = index[..., None].expand(-1, -1, -1, -1, spec.head_dim)
+        kept_keys = self._keys[:, picked, :, :longest].gather(3, expanded)
+        self._keys[:, picked, :, :target] = kept_keys
+        self._values[:, picked, :, :target] = self._values[:, picked, :, :longest].gather(3, expanded)
         if scores is not None:
-            self._scores[:, :rows, :, :kept] = scores.gather(3, index)
+            self._scores[:, picked, :, :target] = scores.gather(3, index)
         if self.config.rolling:
             # Slots moved: every kept key takes the RoPE rotation of its new slot.
-            cos, sin = self.spec.rope.get(kept)
-            rotate_into(self._rotated[:, :rows, :, :kept], self._keys[:, :rows, :, :kept], cos, sin)
-        self.lengths = keep
+            cos, sin = spec.rope.get(target)
+            rotated = torch.empty_like(kept_keys)
+            rotate_into(rotated, kept_keys, cos, sin)
+            self._rotated[:, picked, :, :target] = rotated
+        for row in rows:
+            self.lengths[row] = target
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""

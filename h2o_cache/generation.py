@@ -14,7 +14,7 @@ import torch
 from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.hf import forward, model_spec
-from h2o_cache.sampling import Sample, Sampler, SamplingParams
+from h2o_cache.sampling import Sample, Sampler, SamplingParams, sample
 from h2o_cache.text import StreamDecoder
 
 
@@ -94,24 +94,24 @@ class Generator:
         if cache.batch_size != len(prompts):
             raise ValueError(f"{len(prompts)} prompts for a cache of {cache.batch_size} rows")
         params = params if isinstance(params, list) else [params] * len(prompts)
-        samplers = [Sampler(p, self.spec.device) for p in params]
+        samplers = [Sampler(p) for p in params]
         decoders = [StreamDecoder(self.tokenizer, p.stop) for p in params]
         results = [Completion() for _ in prompts]
         logits = self.prefill(cache, [pending + list(p) for pending, p in zip(cache.pending, prompts)])
         active = list(range(len(prompts)))
         while active:
             next_pieces: list[list[int]] = [[] for _ in prompts]
-            for b in active:
-                sample = samplers[b](logits[b])
-                results[b].token_ids.append(sample.token)
+            samples = sample(logits[active], [samplers[b] for b in active])
+            for b, drawn in zip(active, samples):
+                results[b].token_ids.append(drawn.token)
                 if params[b].logprobs is not None:
-                    results[b].logprobs.append(sample)
-                cache.pending[b] = [sample.token]
-                done = self._finish_reason(sample.token, params[b], decoders[b], len(results[b].token_ids))
+                    results[b].logprobs.append(drawn)
+                cache.pending[b] = [drawn.token]
+                _, done = consume(drawn.token, params[b], decoders[b], len(results[b].token_ids), self.eos_token_ids)
                 if done:
                     results[b].finish_reason = done
                 else:
-                    next_pieces[b] = [sample.token]
+                    next_pieces[b] = [drawn.token]
             active = [b for b in active if next_pieces[b]]
             if active:
                 logits = self.step(cache, next_pieces)
@@ -120,12 +120,20 @@ class Generator:
             result.text = decoder.text
         return results
 
-    def _finish_reason(self, token: int, params: SamplingParams, decoder: StreamDecoder, n: int) -> str | None:
-        if token in self.eos_token_ids and not params.ignore_eos or token in params.stop_token_ids:
-            return "stop"
-        decoder.push(token)
-        if decoder.stopped:
-            return "stop"
-        if n >= params.max_new_tokens:
-            return "length"
-        return None
+
+def consume(token: int, params: SamplingParams, decoder: StreamDecoder, generated: int,
+            eos_token_ids: set[int]) -> tuple[str | None, str | None]:
+    """The stop rule: take the `generated`-th sampled token of a sequence.
+
+    Returns the text it makes safe to stream (None for an end token, which shows no text) and the
+    finish reason once the sequence is done: "stop" (EOS, a stop token id or a stop string) or
+    "length" (max_new_tokens reached), else None.
+    """
+    if token in eos_token_ids and not params.ignore_eos or token in params.stop_token_ids:
+        return None, "stop"
+    text = decoder.push(token)
+    if decoder.stopped:
+        return text, "stop"
+    if generated >= params.max_new_tokens:
+        return text, "length"
+    return text, None

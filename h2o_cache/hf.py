@@ -5,6 +5,8 @@ The cache plugs into a stock Llama-family model through two public hooks:
 - `AttentionInterface`: attention function "h2o", enabled only for our own forward passes, which
   hands queries to `H2OCache.attend` (fp32 softmax + per-KV-head score accumulation). The model's
   mask builder skips unregistered implementations, so no L x L mask is ever built; the cache masks.
+
+`decoder_weights` reads a Llama-architecture model's tensors for the fast path (`h2o_cache.decode`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from h2o_cache.cache import H2OCache, ModelSpec
+from h2o_cache.decode import DecoderWeights, LayerWeights
 from h2o_cache.rope import RopeTable
 
 ATTENTION_NAME = "h2o"
@@ -101,3 +104,65 @@ def forward(
         last = torch.tensor(n_new, device=hidden.device) - 1
         hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return model.get_output_embeddings()(hidden).float()
+
+
+_LAYER_PARTS = {
+    "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj"},
+    "mlp": {"gate_proj", "up_proj", "down_proj"},
+}
+
+
+def decoder_weights(model: PreTrainedModel) -> DecoderWeights:
+    """The weights of a plain Llama-architecture model for `decode.decode_step`, q/k/v and gate/up fused.
+
+    Raises UnsupportedModelError for a layer with anything Llama's lacks (q/k norms, extra
+    projections, non-RMS norms), so a caller can fall back to the transformers path.
+    """
+    spec = model_spec(model)
+    decoder = model.get_decoder()
+    config = model.config
+    layers = []
+    for layer in decoder.layers:
+        for part, names in _LAYER_PARTS.items():
+            children = {n for n, _ in getattr(layer, part).named_children()} - {"act_fn", "rotary_emb"}
+            if children != names:
+                raise UnsupportedModelError(f"{type(model).__name__}.{part} has {sorted(children)}, not Llama's {sorted(names)}")
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(not type(n).__name__.endswith("RMSNorm") for n in norms) or len(list(layer.children())) != 4:
+            raise UnsupportedModelError(f"{type(model).__name__} decoder layers are not Llama's (norm, attention, norm, MLP)")
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+            o=attn.o_proj.weight.detach(), o_bias=attn.o_proj.bias,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=_fused(mlp.gate_proj, mlp.up_proj),
+            gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+            down=mlp.down_proj.weight.detach(), down_bias=mlp.down_proj.bias,
+        ))
+    return DecoderWeights(
+        embed=decoder.embed_tokens.weight,
+        layers=layers,
+        norm=decoder.norm.weight,
+        lm_head=model.get_output_embeddings().weight.detach(),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        scaling=decoder.layers[0].self_attn.scaling,
+        eps=decoder.norm.variance_epsilon,
+        act=decoder.layers[0].mlp.act_fn,
+    )
+
+
+def _fused(*linears) -> torch.Tensor:
+    """Weights of linears applied to the same input, stacked: [sum of out, in]."""
+    return torch.cat([linear.weight.detach() for linear in linears])
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    biases = [linear.bias for linear in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else linear.weight.new_zeros(linear.out_features)
+                      for b, linear in zip(biases, linears)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -42,52 +43,107 @@ class Sample:
 
 
 class Sampler:
-    """Sampling state of one sequence: its random generator and the counts its penalties need."""
+    """Sampling state of one sequence: its random stream and the token counts its penalties need.
 
-    def __init__(self, params: SamplingParams, device: torch.device):
+    The random stream is a counter-based hash of (seed, draws so far), so a row draws the same
+    numbers whatever batch it is sampled in, and sampling needs no device generator (none can live
+    in a CUDA graph or follow a row from batch to batch).
+    """
+
+    def __init__(self, params: SamplingParams, device: torch.device | None = None):
         self.params = params
-        self.generator = None
-        if params.temperature > 0:
-            self.generator = torch.Generator(device=device)
-            if params.seed is not None:
-                self.generator.manual_seed(params.seed)
-            else:
-                self.generator.seed()
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.draws = 0
         self.counts: dict[int, int] = {}
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits: [V] fp32 for this sequence's next token."""
-        p = self.params
-        if self.counts and (p.presence_penalty or p.frequency_penalty):
-            ids = torch.tensor(list(self.counts), device=logits.device)
-            counts = torch.tensor(list(self.counts.values()), device=logits.device, dtype=logits.dtype)
-            logits = logits.clone()
-            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
-        if p.temperature == 0:
-            token = int(logits.argmax())
-        else:
-            token = self._draw(logits)
-        self.counts[token] = self.counts.get(token, 0) + 1
-        if p.logprobs is None:
-            return Sample(token)
-        logprobs = logits.log_softmax(dim=-1)
-        top = []
-        if p.logprobs > 0:
-            values, ids = logprobs.topk(p.logprobs)
-            top = list(zip(ids.tolist(), values.tolist()))
-        return Sample(token, float(logprobs[token]), top)
+        return sample(logits[None], [self])[0]
 
-    def _draw(self, logits: torch.Tensor) -> int:
-        p = self.params
-        logits = logits / p.temperature
-        if p.top_k:
-            kth = logits.topk(min(p.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1:
-            sorted_logits, order = logits.sort(descending=True)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    def uniform(self) -> float:
+        """The next number in [0, 1) of this sequence's stream (splitmix64 of seed and counter)."""
+        self.draws += 1
+        z = (self.seed + self.draws * 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+@torch.no_grad()
+def sample(logits: torch.Tensor, samplers: list[Sampler]) -> list[Sample]:
+    """Next token of every row in one set of batched ops and one device-to-host copy.
+
+    logits: [B, V] (any float dtype, any device); row b follows samplers[b]. Penalties apply to the
+    logits before everything else; logprobs are of the penalized logits, before temperature.
+    """
+    logits = logits.float()
+    device, vocab = logits.device, logits.shape[-1]
+    params = [s.params for s in samplers]
+    logits = _penalized(logits, samplers)
+    tokens = logits.argmax(dim=-1)
+    if any(p.temperature > 0 for p in params):
+        tokens = torch.where(_column(device, [p.temperature for p in params]) > 0, _draw(logits, samplers)[:, None],
+                             tokens[:, None])[:, 0]
+    token_ids = tokens.tolist()
+    for sampler, token in zip(samplers, token_ids):
+        sampler.counts[token] = sampler.counts.get(token, 0) + 1
+    if all(p.logprobs is None for p in params):
+        return [Sample(t) for t in token_ids]
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    k = min(max(p.logprobs or 0 for p in params), vocab)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
+    top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+    return [
+        Sample(t) if p.logprobs is None else Sample(t, lp, row[:p.logprobs])
+        for t, p, lp, row in zip(token_ids, params, chosen, top)
+    ]
+
+
+def _column(device: torch.device, values: list[float]) -> torch.Tensor:
+    """[B, 1] fp32 on device from a host list (one upload)."""
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)[:, None]
+
+
+def _penalized(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    rows, ids, amounts = [], [], []
+    for row, s in enumerate(samplers):
+        p = s.params
+        if p.presence_penalty or p.frequency_penalty:
+            for token, count in s.counts.items():
+                rows.append(row)
+                ids.append(token)
+                amounts.append(p.presence_penalty + p.frequency_penalty * count)
+    if not rows:
+        return logits
+    index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), -_column(logits.device, amounts)[:, 0], accumulate=True)
+
+
+def _draw(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Sample [B] token ids by inverse CDF with each row's own uniform; top-k then top-p as before."""
+    params = [s.params for s in samplers]
+    vocab = logits.shape[-1]
+    # temperature, top_p, top_k (0: all), uniform: one upload
+    table = torch.tensor(
+        [[p.temperature or 1.0, p.top_p, min(p.top_k or vocab, vocab), s.uniform()] for p, s in zip(params, samplers)],
+        dtype=torch.float64,
+    ).to(logits.device, non_blocking=True)
+    scaled = logits / table[:, :1].float()
+    if any(p.top_k or p.top_p < 1 for p in params):
+        ranked, order = scaled.sort(dim=-1, descending=True)
+        kth = ranked.gather(1, table[:, 2:3].long() - 1)
+        ranked = ranked.masked_fill(ranked < kth, float("-inf"))
+        if any(p.top_p < 1 for p in params):
+            probs = ranked.softmax(dim=-1)
             # Drop a token once the mass before it already reaches top_p; the best token always stays.
-            drop = cumulative - sorted_logits.softmax(dim=-1) >= p.top_p
-            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = logits.softmax(dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            top_p = table[:, 1:2].float()
+            drop = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1)
+            ranked = ranked.masked_fill(drop, float("-inf"))
+        scaled = scaled.scatter(1, order, ranked)
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+    target = table[:, 3:4].float() * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=vocab - 1)

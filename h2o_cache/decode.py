@@ -1,0 +1,149 @@
+"""A plain Llama decode step over an `H2OCache`'s buffers: one token per row, fixed shapes, no sync.
+
+This is the fast path's model code. It computes what the transformers model computes through
+`hf.forward` for a one-token pass (same RMSNorm, RoPE, GQA and MLP math, the same fp32 softmax and
+per-KV-head score accumulation as `H2OCache.attend`), but over preallocated buffers, with every
+per-step input a device tensor, so one call can be captured in a CUDA graph or compiled:
+- the new key, value and rotated key are scattered into slot `slots[b]` of row b;
+- attention runs over all `capacity` slots, with slots past `slots[b]` masked, so the cost per step
+  is the same whatever the rows hold;
+- nothing here reads a tensor back to the host or allocates beyond the step's own temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused so a decode step runs 4 matmuls per layer.
+
+    Matrices are [out, in] like nn.Linear's; see `linear` for how they are applied.
+    qkv: [(H_q + 2 H_kv) * D, hidden]; o: [hidden, H_q * D]; gate_up: [2 I, hidden]; down: [hidden, I].
+    Biases are None for models without them.
+    """
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    """The tensors of a Llama-family causal LM, shared with the model but for the fused q/k/v and gate/up."""
+
+    embed: torch.Tensor  # [V, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [V, hidden]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float  # softmax scale of q.k
+    eps: float  # RMSNorm epsilon
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CacheBuffers:
+    """Views of an `H2OCache`'s buffers, [L, rows, H_kv, capacity, D] ([.., capacity] for scores).
+
+    keys: before RoPE when rolling, else rotated to their absolute positions; rotated: None unless
+    rolling; scores: None unless the policy scores.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    rotated: torch.Tensor | None
+    scores: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalize in fp32, scale in the input dtype (one fused op in fp32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [B, in] -> [B, out], computed as (weight [out, in] @ x.T).T.
+
+    With few rows, MKL runs this "tall" product 1.4x faster than x @ weight.T (all 30 layers of
+    SmolLM2 at batch 8: 62 vs 86 ms on 2 cores). The result is a transposed view, so activations
+    stay feature-major from layer to layer and x.T is contiguous at the next product.
+    """
+    out = torch.mm(weight, x.t()).t()
+    return out if bias is None else out + bias
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it (cos, sin in x's dtype, two halves repeated)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@torch.no_grad()
+def decode_step(
+    w: DecoderWeights,
+    cache: CacheBuffers,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+) -> torch.Tensor:
+    """Feed tokens[b] to row b at slot slots[b], RoPE position positions[b]; rows are 0..B-1.
+
+    tokens, slots, positions: [B] int64 on the model's device. cos_table, sin_table: [P, D] fp32.
+    Returns fp32 logits [B, V]. Writes each row's new key/value (and zeroes its score) at its slot,
+    and adds each key's softmax weight, summed over the KV head's query group, to its score.
+    """
+    b = tokens.shape[0]
+    h_q, h_kv, d = w.num_heads, w.num_kv_heads, w.head_dim
+    group = h_q // h_kv
+    capacity = cache.keys.shape[3]
+    dtype = w.embed.dtype
+    x = F.embedding(tokens, w.embed)  # [B, hidden]
+    cos = cos_table[positions].to(dtype)[:, None]  # [B, 1, D]
+    sin = sin_table[positions].to(dtype)[:, None]
+    visible = torch.arange(capacity, device=tokens.device) <= slots[:, None]  # [B, capacity]
+    mask = torch.zeros(visible.shape, device=tokens.device).masked_fill_(~visible, float("-inf"))[:, None, None]
+    write = slots[:, None, None, None].expand(b, h_kv, 1, d)
+    for layer, lw in enumerate(w.layers):
+        qkv = linear(rms_norm(x, lw.input_norm, w.eps), lw.qkv, lw.qkv_bias)
+        qk = rotate(qkv[:, :(h_q + h_kv) * d].view(b, h_q + h_kv, d), cos, sin)  # one RoPE for q and k
+        q, rotated_k = qk[:, :h_q], qk[:, h_q:]
+        k = qkv[:, h_q * d:(h_q + h_kv) * d].view(b, h_kv, d)
+        v = qkv[:, (h_q + h_kv) * d:].view(b, h_kv, d)
+        keys, values = cache.keys[layer, :b], cache.values[layer, :b]  # [B, H_kv, capacity, D]
+        if cache.rotated is not None:
+            keys.scatter_(2, write, k[:, :, None])
+            keys = cache.rotated[layer, :b]
+        keys.scatter_(2, write, rotated_k[:, :, None])
+        values.scatter_(2, write, v[:, :, None])
+
+        # fp32 attention of the group's query heads over every slot: [B, H_kv, G, capacity]
+        logits = torch.matmul(q.reshape(b, h_kv, group, d).float(), keys.float().transpose(-1, -2))
+        probs = torch.softmax(logits.mul_(w.scaling).add_(mask), dim=-1)
+        if cache.scores is not None:
+            scores = cache.scores[layer, :b]  # [B, H_kv, capacity]
+            scores.scatter_(2, write[..., 0], 0.0)
+            scores.add_(probs.sum(dim=2))
+        out = torch.matmul(probs.to(dtype), values).view(b, h_q * d)
+        x = x + linear(out, lw.o, lw.o_bias)
+
+        gate, up = linear(rms_norm(x, lw.post_norm, w.eps), lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        x = x + linear(F.silu(gate) * up if w.act is F.silu else w.act(gate) * up, lw.down, lw.down_bias)
+    return linear(rms_norm(x, w.norm, w.eps), w.lm_head, None).float()

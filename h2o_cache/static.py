@@ -1,0 +1,109 @@
+"""`StaticDecoder`: the fast decode path over a batch cache preallocated at its final shape.
+
+The budget fixes every row's size, so the batch cache is allocated once at
+[layers, max_rows, H_kv, budget + 1, D] and never moves. A step feeds every row its pending token
+through `decode.decode_step`, padded to a bucket of 1, 2, 4, ... rows; per-row inputs reach the
+device in one upload. On CUDA each bucket's step is captured once as a CUDA graph and replayed
+(as in nano-vllm); elsewhere it runs eagerly, still without per-layer Python bookkeeping.
+
+Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
+budget, with the same ops as the transformers path, so both paths keep the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_cache.cache import H2OCache
+from h2o_cache.config import CacheConfig
+from h2o_cache.decode import decode_step
+from h2o_cache.hf import decoder_weights, model_spec
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Batch sizes a step is padded to: powers of two below max_rows, then max_rows."""
+    sizes = [1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows]
+    return sizes + [max_rows]
+
+
+class StaticDecoder:
+    """Decode steps for one batch cache of at most `max_rows` rows.
+
+    `cache` is the batch: add rows with `cache.extend`, remove them with `cache.pop`; every row must
+    hold exactly one pending token when `step` runs. Requires an evicting policy with position
+    rolling (the fixed shape and the bounded RoPE positions are what make the step static).
+    cuda_graphs: None captures them on CUDA devices only.
+    """
+
+    def __init__(self, model, config: CacheConfig, max_rows: int, cuda_graphs: bool | None = None):
+        if not config.rolling:
+            raise ValueError(f"static decode needs an evicting policy with position rolling, not {config.describe()}")
+        self.spec = model_spec(model)
+        self.weights = decoder_weights(model)
+        self.config = config
+        self.max_rows = max_rows
+        self.buckets = buckets(max_rows)
+        device = self.spec.device
+        self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.cache = H2OCache(self.spec, config)
+        self.cache.reserve(max_rows, config.budget + 1)
+        self._cos, self._sin = self.spec.rope.get(config.budget + 1)
+        self._inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=device)  # tokens, slots, positions
+        self._staging = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        if self.cuda_graphs:
+            self._capture()
+
+    def step(self) -> torch.Tensor:
+        """Feed every row its pending token; returns fp32 logits [B, V] (a view valid until the next step).
+
+        Rows that cross the budget are evicted before this returns; pending tokens are left for the
+        caller to replace with the next sampled ones.
+        """
+        cache = self.cache
+        rows = cache.batch_size
+        if not 0 < rows <= self.max_rows:
+            raise ValueError(f"a step needs 1..{self.max_rows} rows, the cache has {rows}")
+        if any(len(p) != 1 for p in cache.pending):
+            raise ValueError("every row needs exactly one pending token to decode")
+        bucket = next(b for b in self.buckets if b >= rows)
+        staging = self._staging
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last step's upload has left the staging buffer
+        staging[:, rows:bucket] = 0  # padding rows write slot 0 of rows nobody uses
+        staging[0, :rows] = torch.tensor([p[0] for p in cache.pending])
+        staging[1, :rows] = staging[2, :rows] = torch.tensor(cache.lengths)
+        self._inputs[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        if self.cuda_graphs:
+            graph, logits = self._graphs[bucket]
+            graph.replay()
+        else:
+            logits = self._run(bucket)
+        cache.advance([1] * rows)
+        return logits[:rows]
+
+    def _run(self, bucket: int) -> torch.Tensor:
+        tokens, slots, positions = self._inputs[:, :bucket]
+        return decode_step(self.weights, self.cache.buffers(), tokens, slots, positions, self._cos, self._sin)
+
+    def _capture(self) -> None:
+        """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the
+        cache: warm-up passes write only slots of rows that are not in use yet."""
+        assert self.cache.batch_size == 0
+        pool = None
+        warmup = torch.cuda.Stream(self.spec.device)
+        warmup.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warmup):
+            for bucket in self.buckets:
+                self._run(bucket)
+        torch.cuda.current_stream().wait_stream(warmup)
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._run(bucket)
+            pool = graph.pool()
+            self._graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize(self.spec.device)
