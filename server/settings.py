@@ -69,7 +69,13 @@ class ServerSettings(BaseSettings):
     session_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is kept")
     max_prompt_tokens: int = Field(
         32768, ge=1, le=10_000_000, description="most prompt tokens one request may prefill; more get 400")
-    prefill_chunk: int = Field(256, ge=1, le=65536, description="prompt tokens prefilled per step, between decodes")
+    prefill_chunk: int = Field(
+        256, ge=1, le=65536, description="longest piece of one prompt fed in one pass (bounds prefill memory)")
+    prefill_tokens: int = Field(
+        512, ge=1, le=1_000_000, description="prompt tokens prefilled per engine iteration, over several waiting "
+                                             "requests (one chunk each), between decode steps")
+    enforce_eager: CliImplicitFlag[bool] = Field(
+        False, description="decode on the transformers path instead of the fast fixed-shape step (CUDA graphs on a GPU)")
     default_max_tokens: int = Field(512, ge=1, le=1_000_000, description="reply tokens when a request sets none")
     max_tokens_limit: int = Field(
         4096, ge=1, le=1_000_000, description="most reply tokens a request gets; larger max_tokens are capped")
@@ -89,8 +95,8 @@ class ServerSettings(BaseSettings):
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""
         return EngineConfig(max_batch_size=self.max_batch_size, max_queue=self.max_queue,
                             max_sessions=self.max_sessions, session_ttl=self.session_ttl,
-                            max_prompt_tokens=self.max_prompt_tokens, prefill_chunk=self.prefill_chunk,
-                            context_window=context_window)
+                            max_prompt_tokens=self.max_prompt_tokens, prefill_tokens=self.prefill_tokens,
+                            enforce_eager=self.enforce_eager, context_window=context_window)
 
     def torch_threads(self) -> int:
         """Cores this process may run on (a container's CPU set, not the host's), unless --threads says."""

@@ -1,4 +1,4 @@
-"""`Batcher`: the engine thread. Each iteration: drop cancelled, prefill one chunk, decode one step."""
+"""`Batcher`: the engine thread. Each iteration: drop cancelled, prefill a few chunks, decode one step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import logging
 import threading
 import time
 
-import torch
-
+from h2o_cache import Sample
 from server.engine.metrics import EngineMetrics
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
@@ -21,17 +20,21 @@ log = logging.getLogger(__name__)
 class Batcher:
     """Continuous batching on one thread, the only one that runs the model.
 
-    A waiting sequence is prefilled one chunk per iteration on its own 1-row cache, so a long prompt
-    delays the running batch by one chunk per step rather than stalling it; once prefilled it samples
-    its first token and joins the batch cache. Every running row then advances one token per step.
+    Each iteration, the oldest waiting sequences are prefilled one chunk each, together in one pass,
+    up to `prefill_tokens` prompt tokens, each on its own 1-row cache: a long prompt delays the
+    running batch by one pass per step rather than stalling it, and a burst of new conversations
+    starts in a few iterations rather than one per request. Once prefilled, a sequence samples its
+    first token and joins the batch cache. Every running row then advances one token per step.
     The thread sleeps on the scheduler's condition whenever nothing is queued or running.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sessions: SessionStore, metrics: EngineMetrics):
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sessions: SessionStore, metrics: EngineMetrics,
+                 prefill_tokens: int):
         self.scheduler = scheduler
         self.runner = runner
         self.sessions = sessions
         self.metrics = metrics
+        self.prefill_tokens = prefill_tokens
         self.generator = runner.generator
         self.resident = (0, 0)  # (tokens, bytes) in the caches of sequences in flight
         self._thread: threading.Thread | None = None
@@ -69,9 +72,9 @@ class Batcher:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.cancelled:
                 self._cancel(seq)
-        seq = self.scheduler.next_prefill()
-        if seq is not None:
-            self._prefill(seq)
+        seqs = self.scheduler.next_prefills(self.prefill_tokens, self.generator.config.prefill_chunk)
+        if seqs:
+            self._prefill(seqs)
         if self.scheduler.running:
             self._decode()
         self._count_resident()
@@ -82,54 +85,72 @@ class Batcher:
 
     # ----- model work -------------------------------------------------------------------------
 
-    def _prefill(self, seq: Sequence) -> None:
-        try:
-            if not seq.started:
-                seq.start(lambda: self.generator.new_cache(1), self.generator.tokenizer)
-            logits = self.runner.prefill(seq)
-            if logits is None:
-                return
-            reason = self._sample(seq, logits, seq.cache)
-            if not reason:
-                self.scheduler.join(seq)
-        except Exception as error:
-            log.exception("prefill failed for request %s", seq.request_id)
-            self._fail(seq, error)
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        started = []
+        for seq in seqs:
+            try:
+                if not seq.started:
+                    seq.start(lambda: self.generator.new_cache(1), self.generator.tokenizer)
+                started.append(seq)
+            except Exception as error:
+                log.exception("prefill failed for request %s", seq.request_id)
+                self._fail(seq, error)
+        if not started:
             return
-        if reason:
-            self._finish(seq, reason)
+        try:
+            results = self.runner.prefill(started, self.generator.config.prefill_chunk)
+        except Exception as error:  # outside the pass (moving rows): every sequence in it fails
+            results = [error] * len(started)
+        for seq, result in zip(started, results):
+            if result is not None:
+                self._take(seq, result)
 
     def _decode(self) -> None:
-        batch = self.scheduler.batch
         running = list(self.scheduler.running)
         start = time.perf_counter()
-        results = self.runner.decode(batch)
+        results = self.runner.decode(running)
         self.metrics.observe_step(time.perf_counter() - start)
         done: list[tuple[Sequence, str | Exception]] = []
-        for row, (seq, logits) in enumerate(zip(running, results)):
-            try:
-                if isinstance(logits, Exception):
-                    raise logits
-                reason = self._sample(seq, logits, batch, row)
-            except Exception as error:
-                log.exception("decode failed for request %s", seq.request_id)
-                reason = error
+        for row, (seq, result) in enumerate(zip(running, results)):
+            reason = self._advance(seq, result, self.scheduler.batch, row)
             if reason:
                 done.append((seq, reason))
         for seq, reason in done:  # after the loop: leaving moves rows
-            if isinstance(reason, Exception):
-                self._fail(seq, reason)
-            else:
-                self._finish(seq, reason)
+            self._end(seq, reason)
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, cache, row: int = 0) -> str | None:
-        """Sample the next token; it becomes the row's pending token. Returns a finish reason or None."""
-        sample = seq.sampler(logits)
-        cache.pending[row] = [sample.token]
-        delta, reason = seq.append(sample, self.generator.eos_token_ids)
+    def _take(self, seq: Sequence, result: Sample | Exception) -> None:
+        """A prefilled sequence's first token: it joins the batch unless it is already done."""
+        reason = self._advance(seq, result, seq.cache, 0)
+        if not reason:
+            try:
+                self.scheduler.join(seq)
+            except Exception as error:
+                log.exception("request %s could not join the batch", seq.request_id)
+                reason = error
+        if reason:
+            self._end(seq, reason)
+
+    def _advance(self, seq: Sequence, result: Sample | Exception, cache, row: int) -> str | Exception | None:
+        """Record a sampled token (it becomes the row's pending token) and stream it. Returns the
+        finish reason, the error the row raised, or None while the sequence goes on."""
+        if isinstance(result, Exception):
+            log.error("generation failed for request %s: %r", seq.request_id, result)
+            return result
+        try:
+            cache.pending[row] = [result.token]
+            delta, reason = seq.append(result, self.generator.eos_token_ids)
+        except Exception as error:
+            log.exception("decode failed for request %s", seq.request_id)
+            return error
         if delta is not None:
             self._emit(seq, delta)
         return reason
+
+    def _end(self, seq: Sequence, reason: str | Exception) -> None:
+        if isinstance(reason, Exception):
+            self._fail(seq, reason)
+        else:
+            self._finish(seq, reason)
 
     def _emit(self, seq: Sequence, item) -> None:
         if not seq.channel.put(item):

@@ -33,10 +33,10 @@ class Engine:
         self.render = render or template_renderer(tokenizer)
         self.generator = Generator(model, tokenizer, cache_config)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock)
-        self.scheduler = Scheduler(self.generator.new_cache(0), config.max_batch_size, config.max_queue)
+        self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
+        self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
         self.metrics = EngineMetrics()
-        self.batcher = Batcher(self.scheduler, ModelRunner(self.generator, config.prefill_chunk), self.sessions,
-                               self.metrics)
+        self.batcher = Batcher(self.scheduler, self.runner, self.sessions, self.metrics, config.prefill_tokens)
 
     def start(self) -> None:
         """Start the background thread that owns the model."""

@@ -1,52 +1,107 @@
-"""`ModelRunner`: the engine thread's forward passes, with failures confined to the rows that raise."""
+"""`ModelRunner`: the engine thread's device work, batched, with failures confined to the rows that raise."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from h2o_cache import Generator, H2OCache
+from h2o_cache import Generator, H2OCache, Sample, StaticDecoder, UnsupportedModelError, sample
 from server.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Feeds prefill chunks and decode steps to the model through a `Generator`.
+    """Prefills chunks of several waiting sequences in one pass and decodes the running batch.
 
-    Only the engine thread calls it: the model, its caches and `Generator.step` are not thread-safe.
+    Both return the sampled tokens of the whole batch (one sampler op, one device-to-host copy).
+    The decode step takes the fast path (`StaticDecoder`: a fixed-shape step, CUDA graphs on a GPU)
+    unless `enforce_eager` is set or the cache cannot take it (`full` policy, no position rolling,
+    a model that is not plain Llama); then the transformers path runs it.
+
+    Only the engine thread calls it: the model and its caches are not thread-safe.
     """
 
-    def __init__(self, generator: Generator, prefill_chunk: int):
+    def __init__(self, generator: Generator, max_batch_size: int, enforce_eager: bool = False):
         self.generator = generator
-        self.prefill_chunk = prefill_chunk
-
-    def prefill(self, seq: Sequence) -> torch.Tensor | None:
-        """Feed the next chunk (<= prefill_chunk tokens) of a waiting sequence to its own cache.
-
-        Returns fp32 logits [V] after the prompt's last token once the whole prompt is in, else None.
-        """
-        chunk = seq.next_chunk(self.prefill_chunk)
-        logits = self.generator.step(seq.cache, [chunk])
-        seq.prefilled += len(chunk)
-        return logits[0] if seq.prefill_done else None
-
-    def decode(self, batch: H2OCache) -> list[torch.Tensor | Exception]:
-        """One step feeding every row its pending token. Returns per row fp32 logits [V], or the
-        error that row raised.
-
-        A failed batched pass leaves the cache as it was (`H2OCache.abort`); the step is then
-        retried one row at a time (the other rows idle) so that only the rows that fail lose their
-        request. That costs B passes, but only on the failure path.
-        """
-        pieces = [list(p) for p in batch.pending]
-        try:
-            logits = self.generator.step(batch, pieces)
-            return list(logits)
-        except Exception:
-            pass
-        results: list[torch.Tensor | Exception] = []
-        for row in range(batch.batch_size):
-            alone = [piece if i == row else [] for i, piece in enumerate(pieces)]
+        self.decoder: StaticDecoder | None = None
+        if not enforce_eager:
             try:
-                results.append(self.generator.step(batch, alone)[row])
+                self.decoder = StaticDecoder(generator.model, generator.config, max_batch_size)
+            except (ValueError, UnsupportedModelError) as reason:
+                log.info("decoding on the transformers path: %s", reason)
+        self.batch: H2OCache = self.decoder.cache if self.decoder else generator.new_cache(0)
+
+    @property
+    def fast(self) -> bool:
+        return self.decoder is not None
+
+    def prefill(self, seqs: list[Sequence], chunk: int) -> list[Sample | None | Exception]:
+        """Feed the next chunk (<= `chunk` tokens) of each waiting sequence to its own cache, in one pass.
+
+        Returns per sequence its first token once its whole prompt is in, None while more remains,
+        or the error it raised. The rows share a temporary batch cache for the pass and go back to
+        their own caches after it.
+        """
+        pieces = [seq.next_chunk(chunk) for seq in seqs]
+        if len(seqs) == 1:
+            results = self._guarded(seqs[0].cache, pieces, seqs)
+        else:
+            batch = self.generator.new_cache(0)
+            for seq in seqs:
+                batch.extend(seq.cache)
+            try:
+                results = self._guarded(batch, pieces, seqs)
+            finally:
+                for row in reversed(range(len(seqs))):  # from the last: no row moves
+                    seqs[row].cache = batch.pop(row)
+        for seq, piece, result in zip(seqs, pieces, results):
+            if not isinstance(result, Exception):
+                seq.prefilled += len(piece)
+        done = [i for i, seq in enumerate(seqs) if not isinstance(results[i], Exception) and seq.prefill_done]
+        out: list[Sample | None | Exception] = [r if isinstance(r, Exception) else None for r in results]
+        if done:
+            for i, drawn in zip(done, self._sample([results[i] for i in done], [seqs[i] for i in done])):
+                out[i] = drawn
+        return out
+
+    def decode(self, running: list[Sequence]) -> list[Sample | Exception]:
+        """One step feeding every row of the batch its pending token. Returns per row its next token,
+        or the error that row raised."""
+        if self.decoder is not None:
+            try:
+                logits = self.decoder.step()
+            except Exception:
+                log.exception("fast decode step failed; retrying it on the transformers path")
+            else:
+                return sample(logits, [seq.sampler for seq in running])
+        return self._sample(self._guarded(self.batch, [list(p) for p in self.batch.pending], running), running)
+
+    def _sample(self, logits: list, seqs: list[Sequence]) -> list[Sample | Exception]:
+        """Sample every row whose logits are a tensor; rows that failed keep their error."""
+        ok = [i for i, row in enumerate(logits) if not isinstance(row, Exception)]
+        out = list(logits)
+        if ok:
+            drawn = sample(torch.stack([logits[i] for i in ok]), [seqs[i].sampler for i in ok])
+            for i, token in zip(ok, drawn):
+                out[i] = token
+        return out
+
+    def _guarded(self, cache: H2OCache, pieces: list[list[int]], seqs: list[Sequence]) -> list:
+        """One pass; when it raises, each row with tokens is retried alone (the others idle), so that
+        only the rows that fail lose their request. That costs B passes, but only on the failure path.
+        A failed pass leaves the cache as it was (`H2OCache.abort`)."""
+        try:
+            return list(self.generator.step(cache, pieces))
+        except Exception as error:
+            if len(seqs) == 1:
+                return [error]
+        results = []
+        for row, piece in enumerate(pieces):
+            alone = [p if i == row else [] for i, p in enumerate(pieces)]
+            try:
+                results.append(self.generator.step(cache, alone)[row])
             except Exception as error:
                 results.append(error)
         return results

@@ -71,11 +71,21 @@ class Scheduler:
             self._inbox.clear()
             return not self._stopping
 
-    def next_prefill(self) -> Sequence | None:
-        """The oldest waiting sequence, when the batch has a row free for it once prefilled."""
-        if self.waiting and len(self.running) < self.max_batch_size:
-            return self.waiting[0]
-        return None
+    def next_prefills(self, tokens: int, chunk: int) -> list[Sequence]:
+        """The oldest waiting sequences to prefill together: each takes its next chunk (<= `chunk`
+        tokens) while their total stays within `tokens` (the oldest always goes), and only as many
+        as the batch has rows free for once they are prefilled."""
+        chosen: list[Sequence] = []
+        free = self.max_batch_size - len(self.running)
+        for seq in self.waiting:
+            if len(chosen) == free:
+                break
+            size = min(chunk, len(seq.turn.prefill) - seq.prefilled)
+            if chosen and size > tokens:
+                break
+            chosen.append(seq)
+            tokens -= size
+        return chosen
 
     def join(self, seq: Sequence) -> None:
         """Move a prefilled sequence's 1-row cache into the batch as its last row."""

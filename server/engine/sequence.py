@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Callable
 
-from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder
+from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder, consume
 from server.engine.handle import Channel
 from server.engine.session import Session
 from server.engine.turn import Turn
@@ -62,23 +62,17 @@ class Sequence:
         self.session.cache = None
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
-        self.sampler = Sampler(self.params, self.cache.spec.device)
+        self.sampler = Sampler(self.params)
         self.decoder = StreamDecoder(tokenizer, self.params.stop)
 
     def append(self, sample: Sample, eos_token_ids: set[int]) -> tuple[Delta | None, str | None]:
         """Record a sampled token. Returns the delta to stream (None for an end token) and the
-        finish reason once the sequence is done ("stop" | "length"), as `Generator.generate` decides."""
-        p = self.params
+        finish reason once the sequence is done, by the one stop rule (`h2o_cache.consume`)."""
         self.output_ids.append(sample.token)
-        logprobs = [sample] if p.logprobs is not None else []
-        if sample.token in eos_token_ids and not p.ignore_eos or sample.token in p.stop_token_ids:
-            return None, "stop"
-        delta = Delta(self.decoder.push(sample.token), [sample.token], logprobs)
-        if self.decoder.stopped:
-            return delta, "stop"
-        if len(self.output_ids) >= p.max_new_tokens:
-            return delta, "length"
-        return delta, None
+        text, reason = consume(sample.token, self.params, self.decoder, len(self.output_ids), eos_token_ids)
+        if text is None:
+            return None, reason
+        return Delta(text, [sample.token], [sample] if self.params.logprobs is not None else []), reason
 
     @property
     def reply(self) -> str:

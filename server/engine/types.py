@@ -19,7 +19,8 @@ class EngineConfig:
     max_sessions: int = 256  # live sessions kept; least recently used dropped beyond
     session_ttl: float = 1800.0  # seconds an idle session is kept
     max_prompt_tokens: int = 32768  # longest conversation a request may prefill
-    prefill_chunk: int = 256  # prompt tokens prefilled per engine iteration, between decode steps
+    prefill_tokens: int = 512  # prompt tokens prefilled per engine iteration (several requests), between decode steps
+    enforce_eager: bool = False  # decode on the transformers path, never the fast static step
     context_window: int | None = None  # for policies that never evict (full): prompt + reply limit
 
 

@@ -57,7 +57,6 @@ def make_engine(tiny_model, byte_tokenizer):
     engines = []
 
     def make(policy: str = "full", budget: int = 64, clock=None, **config) -> Engine:
-        config.setdefault("prefill_chunk", 16)
         extra = {"clock": clock} if clock else {}
         engine = Engine(tiny_model, byte_tokenizer, CacheConfig(policy=policy, budget=budget, prefill_chunk=16),
                         EngineConfig(**config), render=render, **extra)

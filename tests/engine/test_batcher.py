@@ -84,16 +84,16 @@ async def test_a_failed_prefill_fails_only_its_request(make_engine, monkeypatch)
 
 
 async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_engine, monkeypatch):
-    engine = make_engine(prefill_chunk=16)
+    engine = make_engine()  # prefill_chunk 16
     runner, events = engine.batcher.runner, []
     prefill, decode = runner.prefill, runner.decode
 
-    def record_prefill(seq):
-        events.append(("prefill", seq.request_id, len(seq.next_chunk(16))))
-        return prefill(seq)
+    def record_prefill(seqs, chunk):
+        events.extend(("prefill", seq.request_id, len(seq.next_chunk(chunk))) for seq in seqs)
+        return prefill(seqs, chunk)
 
     monkeypatch.setattr(runner, "prefill", record_prefill)
-    monkeypatch.setattr(runner, "decode", lambda batch: events.append(("decode", batch.batch_size)) or decode(batch))
+    monkeypatch.setattr(runner, "decode", lambda running: events.append(("decode", len(running))) or decode(running))
     running = await engine.submit(ask("never ending", greedy(5000)))
     stream, _ = await first_delta(running)
     long = await collect(await engine.submit(ask("a prompt of about a hundred tokens " * 3, greedy(4), request_id="long")))
@@ -104,6 +104,26 @@ async def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps(make_en
     assert all(events[i][2] <= 16 for i in chunks)
     assert all(events[i + 1] == ("decode", 1) for i in chunks[:-1])  # the batch advanced meanwhile
     assert ("decode", 2) in events[chunks[-1]:]  # then both decoded together
+
+
+async def test_a_burst_of_requests_is_prefilled_together_within_the_token_budget(make_engine, monkeypatch):
+    engine = make_engine(policy="h2o", budget=32, prefill_tokens=40)
+    runner, passes = engine.batcher.runner, []
+    prefill = runner.prefill
+
+    def record_prefill(seqs, chunk):
+        passes.append((len(seqs), sum(len(seq.next_chunk(chunk)) for seq in seqs)))
+        return prefill(seqs, chunk)
+
+    monkeypatch.setattr(runner, "prefill", record_prefill)
+    requests = [ask(f"question {i}: " + "words " * 4, greedy(6)) for i in range(6)]
+    together = await asyncio.gather(*[collect(await engine.submit(r)) for r in requests])
+    alone = [await collect(await engine.submit(ask(r.messages[0]["content"], greedy(6)))) for r in requests]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(tokens <= 40 for _, tokens in passes)
+    assert max(n for n, _ in passes) >= 2  # several prompts shared a pass
+    prompt_tokens = sum(r.finish.usage.prompt_tokens for r in together)
+    assert sum(tokens for _, tokens in passes[:len(passes) // 2]) >= prompt_tokens  # the burst went first
 
 
 async def test_a_failed_decode_step_fails_only_the_row_that_raises(make_engine, monkeypatch):

@@ -17,7 +17,7 @@ FOLLOW_UP = {"role": "user", "content": "Now name one more."}
 @pytest.fixture
 def engine(default_model):
     model, tokenizer = default_model
-    engine = Engine(model, tokenizer, CacheConfig(policy="full"), EngineConfig(prefill_chunk=64))
+    engine = Engine(model, tokenizer, CacheConfig(policy="full", prefill_chunk=64), EngineConfig())
     engine.start()
     yield engine
     engine.stop()

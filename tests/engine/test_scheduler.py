@@ -8,11 +8,12 @@ from server.engine.turn import Turn
 from server.engine.types import EngineNotReady, QueueFull
 
 
-def sequence(gen, n_tokens: int) -> Sequence:
-    """A prefilled waiting sequence whose cache row is recognisable by its `seen` count."""
+def sequence(gen, n_tokens: int, to_prefill: int = 0) -> Sequence:
+    """A prefilled waiting sequence whose cache row is recognisable by its `seen` count, with
+    `to_prefill` tokens of its turn still to feed."""
     cache = gen.new_cache(1)
     gen.prefill(cache, [list(range(3, 3 + n_tokens))])
-    turn = Turn([], "", [], 0, 0, False)
+    turn = Turn([], "", [7] * to_prefill, 0, 0, False)
     return Sequence(Session(str(n_tokens), ""), turn, None, channel=None, cache=cache)
 
 
@@ -45,13 +46,23 @@ def test_reserve_bounds_requests_in_flight(tiny_model, byte_tokenizer):
 def test_prefill_waits_for_a_free_row(tiny_model, byte_tokenizer):
     gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
     scheduler = Scheduler(gen.new_cache(0), max_batch_size=1, max_queue=4)
-    first, second = sequence(gen, 2), sequence(gen, 3)
+    first, second = sequence(gen, 2, 5), sequence(gen, 3, 5)
     scheduler.waiting.extend([first, second])
-    assert scheduler.next_prefill() is first
+    assert scheduler.next_prefills(tokens=100, chunk=8) == [first]  # one row free: one sequence
     scheduler.join(first)
-    assert scheduler.next_prefill() is None
+    assert scheduler.next_prefills(tokens=100, chunk=8) == []
     scheduler.leave(first)
-    assert scheduler.next_prefill() is second
+    assert scheduler.next_prefills(tokens=100, chunk=8) == [second]
+
+
+def test_prefill_takes_the_oldest_sequences_within_the_token_budget(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
+    scheduler = Scheduler(gen.new_cache(0), max_batch_size=8, max_queue=8)
+    seqs = [sequence(gen, 1, n) for n in (30, 5, 9, 2)]
+    scheduler.waiting.extend(seqs)
+    assert scheduler.next_prefills(tokens=20, chunk=8) == seqs[:2]  # 8 + 5; the third's 8 would pass 20
+    assert scheduler.next_prefills(tokens=100, chunk=8) == seqs
+    assert scheduler.next_prefills(tokens=3, chunk=8) == seqs[:1]  # the oldest always goes
 
 
 def test_nothing_is_queued_once_stopping(tiny_model, byte_tokenizer):

@@ -52,8 +52,8 @@ def test_engine_serves_concurrent_requests_on_cuda(cuda_model, byte_tokenizer):
     from tests.engine.conftest import render
 
     async def run():
-        engine = Engine(cuda_model, byte_tokenizer, CacheConfig(policy="h2o", budget=32),
-                        EngineConfig(prefill_chunk=16), render=render)
+        engine = Engine(cuda_model, byte_tokenizer, CacheConfig(policy="h2o", budget=32, prefill_chunk=16),
+                        EngineConfig(), render=render)
         engine.start()
         try:
             params = SamplingParams(max_new_tokens=40, ignore_eos=True)

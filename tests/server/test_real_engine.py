@@ -25,7 +25,7 @@ def ask(content: str, max_tokens: int = 8, **extra) -> dict:
 @pytest.fixture
 def engine(tiny_model, byte_tokenizer):
     engine = Engine(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=BUDGET, prefill_chunk=16),
-                    EngineConfig(max_batch_size=2, max_prompt_tokens=200, prefill_chunk=16), render=render)
+                    EngineConfig(max_batch_size=2, max_prompt_tokens=200), render=render)
     engine.start()
     yield engine
     engine.stop()
