@@ -6,10 +6,11 @@
    turn (the OpenAI client path); time per generated token of the last turn over the first, per policy.
 
     python -m clients.project_bench --spawn h2o,full --out out/bench
+    python -m clients.project_bench --spawn h2o,h2o+eager       # the fast decode step vs --enforce-eager
     python -m clients.project_bench --base-url h2o=http://127.0.0.1:8000      # a server already running
 
 --spawn starts each policy's server in turn on a free loopback port (never two at once, so they
-do not share the cores), waits for /health and stops it afterwards.
+do not share the cores), waits for /health and stops it afterwards; POLICY+eager adds --enforce-eager.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def report(results: dict[str, dict], args) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--spawn", help="comma-separated policies to start servers for, e.g. h2o,full")
+    where.add_argument("--spawn", help="comma-separated policies to start servers for, e.g. h2o,full; "
+                                            "POLICY+eager runs that policy with --enforce-eager")
     where.add_argument("--base-url", action="append", help="LABEL=URL of a running server, repeatable")
     p.add_argument("--server-args", default="", help="extra `python -m server` flags for --spawn, e.g. '--kv-budget 256'")
     p.add_argument("--streams", default="1,2,4,8,16", help="concurrency levels; the first is the baseline")
@@ -122,7 +124,9 @@ def main(argv=None) -> int:
     try:
         for label, url in targets:
             print(f"{label}: {'starting a server' if url is None else url}", flush=True)
-            server = (spawned_server(label, shlex.split(args.server_args), out / f"server-{label}.log")
+            policy, eager = label.removesuffix("+eager"), label.endswith("+eager")
+            flags = shlex.split(args.server_args) + (["--enforce-eager"] if eager else [])
+            server = (spawned_server(policy, flags, out / f"server-{label}.log")
                       if url is None else nullcontext(url))
             with server as base_url:
                 results[label] = asyncio.run(measure(base_url, args, prompts))

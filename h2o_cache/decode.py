@@ -77,21 +77,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [B, in] -> [B, out], computed as (weight [out, in] @ x.T).T.
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + x @ weight.T + bias: x [B, in] -> [B, out], computed as (weight [out, in] @ x.T).T.
 
     With few rows, MKL runs this "tall" product 1.4x faster than x @ weight.T (all 30 layers of
     SmolLM2 at batch 8: 62 vs 86 ms on 2 cores). The result is a transposed view, so activations
-    stay feature-major from layer to layer and x.T is contiguous at the next product.
+    stay feature-major from layer to layer and x.T is contiguous at the next product. The residual
+    is added by the product itself (beta = 1).
     """
-    out = torch.mm(weight, x.t()).t()
+    if residual is None:
+        out = torch.mm(weight, x.t()).t()
+    else:
+        out = torch.addmm(residual.t(), weight, x.t()).t()
     return out if bias is None else out + bias
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE as transformers applies it (cos, sin in x's dtype, two halves repeated)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it, x * cos + rotate_half(x) * sin, in three ops.
+
+    signed_sin is sin with its first half negated, so rotate_half(x) * sin == x.roll(D/2) * signed_sin.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 @torch.no_grad()
@@ -118,32 +125,35 @@ def decode_step(
     x = F.embedding(tokens, w.embed)  # [B, hidden]
     cos = cos_table[positions].to(dtype)[:, None]  # [B, 1, D]
     sin = sin_table[positions].to(dtype)[:, None]
-    visible = torch.arange(capacity, device=tokens.device) <= slots[:, None]  # [B, capacity]
-    mask = torch.zeros(visible.shape, device=tokens.device).masked_fill_(~visible, float("-inf"))[:, None, None]
+    signed_sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
+    # Additive mask, the same for every layer and head: slots past the new token are -inf. [B*H_kv, 1, capacity]
+    visible = torch.arange(capacity, device=tokens.device) <= slots[:, None]
+    mask = torch.zeros(visible.shape, device=tokens.device).masked_fill_(~visible, float("-inf"))
+    mask = mask[:, None, None].expand(b, h_kv, 1, capacity).reshape(b * h_kv, 1, capacity)
     write = slots[:, None, None, None].expand(b, h_kv, 1, d)
     for layer, lw in enumerate(w.layers):
         qkv = linear(rms_norm(x, lw.input_norm, w.eps), lw.qkv, lw.qkv_bias)
-        qk = rotate(qkv[:, :(h_q + h_kv) * d].view(b, h_q + h_kv, d), cos, sin)  # one RoPE for q and k
-        q, rotated_k = qk[:, :h_q], qk[:, h_q:]
+        qk = rotate(qkv[:, :(h_q + h_kv) * d].view(b, h_q + h_kv, d), cos, signed_sin)  # one RoPE for q and k
         k = qkv[:, h_q * d:(h_q + h_kv) * d].view(b, h_kv, d)
         v = qkv[:, (h_q + h_kv) * d:].view(b, h_kv, d)
         keys, values = cache.keys[layer, :b], cache.values[layer, :b]  # [B, H_kv, capacity, D]
         if cache.rotated is not None:
             keys.scatter_(2, write, k[:, :, None])
             keys = cache.rotated[layer, :b]
-        keys.scatter_(2, write, rotated_k[:, :, None])
+        keys.scatter_(2, write, qk[:, h_q:, None])
         values.scatter_(2, write, v[:, :, None])
 
-        # fp32 attention of the group's query heads over every slot: [B, H_kv, G, capacity]
-        logits = torch.matmul(q.reshape(b, h_kv, group, d).float(), keys.float().transpose(-1, -2))
-        probs = torch.softmax(logits.mul_(w.scaling).add_(mask), dim=-1)
+        # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
+        q = qk[:, :h_q].reshape(b * h_kv, group, d).float()
+        keys_t = keys.reshape(b * h_kv, capacity, d).float().transpose(1, 2)
+        probs = torch.baddbmm(mask, q, keys_t, alpha=w.scaling).softmax(dim=-1)
         if cache.scores is not None:
             scores = cache.scores[layer, :b]  # [B, H_kv, capacity]
             scores.scatter_(2, write[..., 0], 0.0)
-            scores.add_(probs.sum(dim=2))
-        out = torch.matmul(probs.to(dtype), values).view(b, h_q * d)
-        x = x + linear(out, lw.o, lw.o_bias)
+            scores.add_(probs.view(b, h_kv, group, capacity).sum(dim=2))
+        out = torch.bmm(probs.to(dtype), values.reshape(b * h_kv, capacity, d)).view(b, h_q * d)
+        x = linear(out, lw.o, lw.o_bias, residual=x)
 
         gate, up = linear(rms_norm(x, lw.post_norm, w.eps), lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        x = x + linear(F.silu(gate) * up if w.act is F.silu else w.act(gate) * up, lw.down, lw.down_bias)
+        x = linear(w.act(gate) * up, lw.down, lw.down_bias, residual=x)
     return linear(rms_norm(x, w.norm, w.eps), w.lm_head, None).float()

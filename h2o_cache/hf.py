@@ -151,8 +151,15 @@ def decoder_weights(model: PreTrainedModel) -> DecoderWeights:
         head_dim=spec.head_dim,
         scaling=decoder.layers[0].self_attn.scaling,
         eps=decoder.norm.variance_epsilon,
-        act=decoder.layers[0].mlp.act_fn,
+        act=_plain_function(decoder.layers[0].mlp.act_fn),
     )
+
+
+def _plain_function(act):
+    """transformers' SiLU module as the functional op it wraps: one dispatch fewer per layer."""
+    if type(act).__name__ in ("SiLU", "SiLUActivation"):
+        return torch.nn.functional.silu
+    return act
 
 
 def _fused(*linears) -> torch.Tensor:

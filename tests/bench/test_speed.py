@@ -1,7 +1,8 @@
 import math
 
 from h2o_cache import Generator
-from h2o_cache.bench.speed import measure, scenarios, table
+from h2o_cache import CacheConfig, StaticDecoder
+from h2o_cache.bench.speed import fast_table, measure, measure_fast, scenarios, table
 
 
 def test_measure_times_every_scenario_and_batch(tiny_model, byte_tokenizer):
@@ -12,3 +13,14 @@ def test_measure_times_every_scenario_and_batch(tiny_model, byte_tokenizer):
     lines = table(timings, "caption").splitlines()
     assert len(lines) == 4 + len(timings)
     assert all(line.endswith(("| met |", "| MISSED |")) for line in lines[4:])
+
+
+def test_measure_fast_times_both_paths_while_rows_evict(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer)
+    decoder = StaticDecoder(tiny_model, CacheConfig(budget=32), max_rows=3)
+    timings = [measure_fast(gen, decoder, b, reps=2, steps=4, warmup=1) for b in (1, 3)]
+    for t in timings:
+        assert all(math.isfinite(x) and x > 0 for x in (t.eager_ms, t.fast_ms, t.ratio))
+    assert decoder.cache.batch_size == 3 and max(decoder.cache.seen) > 32 + 4  # rows crossed the budget
+    lines = fast_table(timings, "caption", decoder.spec.device).splitlines()
+    assert len(lines) == 4 + len(timings) and all(line.endswith(("| met |", "| MISSED |")) for line in lines[4:])
