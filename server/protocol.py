@@ -83,9 +83,18 @@ class ChatCompletionRequest(BaseModel):
         return [m.for_engine() for m in self.messages]
 
     def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
-        """max_completion_tokens (or the older max_tokens, or the server default), capped by the server."""
+        """max_completion_tokens (or the older max_tokens, or the server default, capped by the limit).
+
+        A request asking for more than the server's limit is refused (400 naming the field and the
+        limit), never silently capped: a client that waits for 10**12 tokens should hear so at once.
+        """
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        for field in ("max_completion_tokens", "max_tokens"):
+            asked = getattr(self, field)
+            if asked is not None and asked > max_tokens_limit:
+                raise APIError(400, f"{field} is {asked}, more than this server's limit of {max_tokens_limit} "
+                                    f"tokens per reply", param=field, code="max_tokens_exceeded")
         asked = self.max_completion_tokens or self.max_tokens or default_max_tokens
         return SamplingParams(
             max_new_tokens=min(asked, max_tokens_limit),

@@ -78,7 +78,8 @@ class ServerSettings(BaseSettings):
         False, description="decode on the transformers path instead of the fast fixed-shape step (CUDA graphs on a GPU)")
     default_max_tokens: int = Field(512, ge=1, le=1_000_000, description="reply tokens when a request sets none")
     max_tokens_limit: int = Field(
-        4096, ge=1, le=1_000_000, description="most reply tokens a request gets; larger max_tokens are capped")
+        4096, ge=1, le=1_000_000, description="most reply tokens a request may ask for; a larger max_tokens gets 400 "
+                                        "(the default is capped to it)")
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -53,7 +53,8 @@ class Batcher:
             self._thread.join()
 
     def _run(self) -> None:
-        while self.scheduler.wait_for_work():
+        while self.scheduler.wait_for_work(timeout=self.sessions.expiry_interval):
+            self.sessions.expire_if_due()  # idle sessions go on time, not only when a request comes
             try:
                 self.step()
             except Exception:  # a bug outside any one sequence: fail them all, keep serving

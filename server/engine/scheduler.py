@@ -62,11 +62,13 @@ class Scheduler:
 
     # ----- engine thread ------------------------------------------------------------------------
 
-    def wait_for_work(self) -> bool:
-        """Block until there is something to do; False once stopping. Moves newcomers to `waiting`."""
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until there is something to do, or `timeout` seconds pass; False once stopping.
+        Moves newcomers to `waiting`."""
         with self._cond:
             while not (self._stopping or self._inbox or self.waiting or self.running):
-                self._cond.wait()
+                if not self._cond.wait(timeout):
+                    break
             self.waiting.extend(self._inbox)
             self._inbox.clear()
             return not self._stopping

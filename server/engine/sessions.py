@@ -17,8 +17,9 @@ class SessionStore:
 
     `claim` marks a session busy for one request and `release` hands it back; busy sessions are
     never dropped. Idle ones go after `ttl` seconds or, beyond `max_sessions`, least recently used
-    first; expiry is checked whenever a request arrives or ends and when stats are read. Called
-    from the asyncio thread (claim, expire) and the engine thread (release), hence the lock.
+    first; expiry is checked whenever a request arrives or ends, when stats are read, and by the
+    engine thread's timer (`expire_if_due`, every `expiry_interval` s). Called from the asyncio
+    thread (claim, expire) and the engine thread (release, expire_if_due), hence the lock.
     """
 
     def __init__(self, max_sessions: int, ttl: float, clock: Callable[[], float] = time.monotonic):
@@ -28,6 +29,7 @@ class SessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._by_key: dict[str, set[str]] = {}
         self._lock = threading.Lock()
+        self._expired_at = clock()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -86,6 +88,17 @@ class SessionStore:
         with self._lock:
             self._expire()
 
+    @property
+    def expiry_interval(self) -> float:
+        """Seconds between timer checks: a session outlives its TTL by at most a quarter of it (or 30 s)."""
+        return min(self.ttl / 4, 30.0)
+
+    def expire_if_due(self) -> None:
+        with self._lock:
+            if self.clock() - self._expired_at >= self.expiry_interval:
+                self._expire()
+
+
     def _find_prefix(self, owner: str, messages: list[dict]) -> Session | None:
         keys = conversation_keys(owner, messages)[:-1]
         for key in reversed(keys):
@@ -106,7 +119,7 @@ class SessionStore:
         self._sessions.move_to_end(session.id)
 
     def _expire(self) -> None:
-        now = self.clock()
+        now = self._expired_at = self.clock()
         excess = len(self._sessions) - self.max_sessions
         for session in list(self._sessions.values()):  # least recently used first
             if session.busy:

@@ -165,7 +165,7 @@ async def test_the_loop_sleeps_when_idle(make_engine, monkeypatch):
     engine = make_engine()
     wakeups = []
     wait = engine.scheduler.wait_for_work
-    monkeypatch.setattr(engine.scheduler, "wait_for_work", lambda: wakeups.append(1) or wait())
+    monkeypatch.setattr(engine.scheduler, "wait_for_work", lambda **kw: wakeups.append(1) or wait(**kw))
     await collect(await engine.submit(ask("hi", greedy(3))))
     await asyncio.sleep(0.05)  # let the thread finish its last iteration and block
     before = len(wakeups)

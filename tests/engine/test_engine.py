@@ -145,6 +145,16 @@ async def test_an_expired_session_is_gone_but_its_history_can_be_resent(make_eng
     assert engine.stats().active_sessions == 1
 
 
+async def test_idle_sessions_expire_on_a_timer_without_any_request(make_engine):
+    clock = Clock()
+    engine = make_engine(policy="full", clock=clock, session_ttl=0.4)  # the timer checks every 0.1 s
+    await collect(await engine.submit(ask("hello there", greedy(3))))
+    await asyncio.sleep(0.3)
+    assert len(engine.sessions) == 1  # the clock has not moved: not expired
+    clock.now = 1.0
+    await until(lambda: len(engine.sessions) == 0, timeout=5)
+
+
 async def test_least_recently_used_sessions_go_beyond_max_sessions(make_engine):
     engine = make_engine(max_sessions=2)
     old, kept, new = [await collect(await engine.submit(ask(p, greedy(2)))) for p in PROMPTS[:3]]

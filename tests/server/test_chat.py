@@ -38,12 +38,25 @@ async def test_request_becomes_sampling_params_and_engine_messages(client, engin
     assert request.owner == "" and request.session_id is None and request.request_id == r.json()["id"]
 
 
-async def test_defaults_follow_openai_and_max_tokens_is_capped(client, engine, app):
+async def test_defaults_follow_openai_and_the_default_is_capped_by_the_limit(client, engine, app):
     app.state.settings = app.state.settings.model_copy(update={"default_max_tokens": 9, "max_tokens_limit": 20})
     await client.post("/v1/chat/completions", json=HELLO)
-    await client.post("/v1/chat/completions", json={**HELLO, "max_tokens": 1000})
+    await client.post("/v1/chat/completions", json={**HELLO, "max_tokens": 20})
+    app.state.settings = app.state.settings.model_copy(update={"default_max_tokens": 50})
+    await client.post("/v1/chat/completions", json=HELLO)
     assert engine.requests[0].params == SamplingParams(max_new_tokens=9, temperature=1.0)
-    assert engine.requests[1].params.max_new_tokens == 20
+    assert [r.params.max_new_tokens for r in engine.requests[1:]] == [20, 20]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_max_tokens_above_the_limit_is_refused_before_any_work(client, engine, app, field, stream):
+    app.state.settings = app.state.settings.model_copy(update={"max_tokens_limit": 20})
+    r = await client.post("/v1/chat/completions", json={**HELLO, field: 10**12, "stream": stream})
+    assert r.status_code == 400 and not engine.requests
+    error = r.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (field, "max_tokens_exceeded", "invalid_request_error")
+    assert "20" in error["message"]
 
 
 async def test_length_finish_when_max_tokens_runs_out(client):
