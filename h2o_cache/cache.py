@@ -340,7 +340,7 @@ class H2OCache(Cache):
         priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
         lengths = torch.tensor([self.lengths[row] for row in rows], device=device)
         index = keep_indices(  # [L, rows, H, target]
-            priority, lengths, torch.full_like(lengths, target), self.config.sinks, self.config.recent,
+            priority, lengths, torch.full_like(lengths, target), self.config.sinks, self.config.recent, width=target,
         )
         expanded = index[..., None].expand(-1, -1, -1, -1, spec.head_dim)
         kept_keys = self._keys[:, picked, :, :longest].gather(3, expanded)

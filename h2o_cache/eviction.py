@@ -11,6 +11,7 @@ def keep_indices(
     keep: torch.Tensor,
     sinks: int,
     recent: int,
+    width: int | None = None,
 ) -> torch.Tensor:
     """Slots to keep per row and head, in arrival order.
 
@@ -18,6 +19,7 @@ def keep_indices(
         are independent.
     lengths: [B] int64, valid slots of each row.
     keep: [B] int64, slots each row keeps (<= lengths; == lengths keeps the row as it is).
+    width: max(keep) when the caller knows it, which spares a device-to-host read.
     Returns [..., B, H, max(keep)] int64: per row and head, its sinks, its `recent` newest slots and
     its highest-priority other slots, ascending; a row keeping fewer than max(keep) is padded with
     slots beyond what it keeps.
@@ -28,7 +30,7 @@ def keep_indices(
     valid = slots < length
     protected = (slots < sinks) | (slots >= length - recent) | (keep == lengths)[:, None, None]
     ranked = priority.masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
-    width = int(keep.max())
+    width = int(keep.max()) if width is None else width
     best = ranked.topk(width, dim=-1).indices  # by priority, best first
     chosen = torch.arange(width, device=priority.device) < keep[:, None, None]
     return best.masked_fill(~chosen, n).sort(dim=-1).values.clamp_(max=n - 1)
