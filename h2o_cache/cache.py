@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import CacheBuffers
@@ -52,59 +51,14 @@ class _Step:
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
 
 
-class H2OLayer(CacheLayerMixin):
-    """One decoder layer's view of the cache's buffers (transformers' per-layer interface)."""
-
-    is_compileable = False
-
-    def __init__(self, cache: H2OCache, index: int) -> None:
-        super().__init__()
-        self._cache = cache
-        self._index = index
-
-    @property
-    def keys(self):  # as stored: before RoPE when rolling
-        return None if self._cache._keys is None else self._cache._keys[self._index]
-
-    @property
-    def values(self):
-        return None if self._cache._values is None else self._cache._values[self._index]
-
-    @property
-    def scores(self):
-        return None if self._cache._scores is None else self._cache._scores[self._index]
-
-    @keys.setter
-    def keys(self, value):  # CacheLayerMixin.__init__ assigns None; storage belongs to the cache
-        pass
-
-    @values.setter
-    def values(self, value):
-        pass
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        raise NotImplementedError("H2OLayer buffers are allocated by H2OCache")
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("call H2OCache.update")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class H2OCache(Cache):
+class H2OCache:
     """Budgeted KV cache for a batch of independent sequences (rows).
 
     Rows are added with `add_rows`/`extend` and removed with `pop`, so a continuous batcher can move
-    sequences in and out between steps. Use it through `h2o_cache.Generator`, or by hand:
-    `positions = cache.begin(n_new)`, a forward pass with `position_ids=positions`,
-    `past_key_values=cache, h2o_cache=cache` on the model (see `hf.forward`), then `cache.end()`.
+    sequences in and out between steps. Use it through `h2o_cache.Generator`, or `hf.forward` for one
+    pass: `positions = cache.begin(n_new)`, the model's forward with those positions (the model
+    reaches `update` and `attend` through the adapter in `hf.py`), then `cache.end()`. The fast
+    path (`StaticDecoder`) writes the same buffers and calls `advance` instead.
 
     Buffers hold all layers at once, so eviction and re-rotation run as a few batched ops per step
     instead of a few per layer:
@@ -118,7 +72,6 @@ class H2OCache(Cache):
         self.config = config
         self.policy = get_policy(config.policy)
         self._keys = self._values = self._rotated = self._scores = None
-        super().__init__(layers=[H2OLayer(self, i) for i in range(spec.num_layers)])
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)

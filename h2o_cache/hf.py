@@ -1,7 +1,8 @@
 """Everything that touches transformers internals (tested on transformers 5.23).
 
 The cache plugs into a stock Llama-family model through two public hooks:
-- `past_key_values`: the model calls `H2OCache.update` per layer with RoPE-rotated keys;
+- `past_key_values`: `PastKeyValues`, transformers' cache interface over an `H2OCache` (which knows
+  nothing of transformers); the model calls its `update` per layer with RoPE-rotated keys;
 - `AttentionInterface`: attention function "h2o", enabled only for our own forward passes, which
   hands queries to `H2OCache.attend` (fp32 softmax + per-KV-head score accumulation). The model's
   mask builder skips unregistered implementations, so no L x L mask is ever built; the cache masks.
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from h2o_cache.cache import H2OCache, ModelSpec
@@ -31,6 +33,62 @@ def _h2o_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 
 AttentionInterface.register(ATTENTION_NAME, _h2o_attention)
+
+
+class _Layer(CacheLayerMixin):
+    """One decoder layer's view of an `H2OCache` (transformers' per-layer interface)."""
+
+    is_compileable = False
+
+    def __init__(self, cache: H2OCache, index: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self._index = index
+
+    @property
+    def keys(self):  # as stored: before RoPE when rolling
+        return None if self._cache._keys is None else self._cache._keys[self._index]
+
+    @property
+    def values(self):
+        return None if self._cache._values is None else self._cache._values[self._index]
+
+    @keys.setter
+    def keys(self, value):  # CacheLayerMixin.__init__ assigns None; storage belongs to the cache
+        pass
+
+    @values.setter
+    def values(self, value):
+        pass
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise NotImplementedError("the H2OCache allocates its buffers")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("call PastKeyValues.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PastKeyValues(Cache):
+    """transformers' `Cache` interface over an `H2OCache`, for one forward pass of `forward`."""
+
+    def __init__(self, cache: H2OCache):
+        self.cache = cache
+        super().__init__(layers=[_Layer(cache, i) for i in range(cache.spec.num_layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.cache.update(key_states, value_states, layer_idx)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length()
 
 
 class UnsupportedModelError(ValueError):
@@ -93,7 +151,7 @@ def forward(
     try:
         with _h2o_attention_enabled(model):
             hidden = model.get_decoder()(
-                input_ids=input_ids, position_ids=positions, past_key_values=cache,
+                input_ids=input_ids, position_ids=positions, past_key_values=PastKeyValues(cache),
                 use_cache=True, h2o_cache=cache,
             ).last_hidden_state
     except BaseException:

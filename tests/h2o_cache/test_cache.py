@@ -35,7 +35,7 @@ def layer0_values(model, ids):
 def resident_positions(cache, fingerprints, row):
     """Original positions held by each KV head of layer 0, recovered from the value vectors."""
     n = cache.lengths[row]
-    held = cache.layers[0].values[row, :, :n]  # [H, n, D]
+    held = cache.buffers().values[0, row, :, :n]  # [H, n, D]
     dist = torch.cdist(held, fingerprints[row], compute_mode=EXACT)  # [H, n, T]
     apart = torch.cdist(fingerprints[row], fingerprints[row], compute_mode=EXACT)
     separation = apart[apart > 0].min()
@@ -101,10 +101,10 @@ def test_scores_are_fp32_attention_sums_per_kv_head(tiny_model):
         tiny_model.set_attn_implementation("sdpa")
     cache = H2OCache(model_spec(tiny_model), CacheConfig(policy="h2o", budget=64), rows=1)
     feed(tiny_model, cache, ids, chunk=6)
-    for layer, weights in zip(cache.layers, attentions):  # weights: [1, H_q, T, T]
+    for scores, weights in zip(cache.buffers().scores, attentions):  # weights: [1, H_q, T, T]
         expected = weights.sum(dim=2).view(1, 2, 2, 20).sum(dim=2)  # group of 2 query heads per KV head
-        assert layer.scores.dtype == torch.float32
-        assert torch.allclose(layer.scores[:, :, :20], expected, atol=1e-5)
+        assert scores.dtype == torch.float32
+        assert torch.allclose(scores[:, :, :20], expected, atol=1e-5)
 
 
 def test_batched_rows_equal_single_rows_under_eviction(tiny_model):
@@ -120,9 +120,8 @@ def test_batched_rows_equal_single_rows_under_eviction(tiny_model):
         single = H2OCache(spec, config, rows=1)
         alone = forward(tiny_model, single, torch.tensor([prompt]), [len(prompt)])
         assert torch.allclose(batched[row], alone[0], atol=1e-5)
-        for mine, theirs in zip(single.layers, batch.layers):
-            n = single.lengths[0]
-            assert torch.allclose(mine.scores[0, :, :n], theirs.scores[row, :, :n], atol=1e-5)
+        n = single.lengths[0]
+        assert torch.allclose(single.buffers().scores[:, 0, :, :n], batch.buffers().scores[:, row, :, :n], atol=1e-5)
 
 
 def test_pop_and_extend_move_rows_without_changing_them(tiny_model):
@@ -131,17 +130,16 @@ def test_pop_and_extend_move_rows_without_changing_them(tiny_model):
     ids = torch.randint(3, 128, (3, 14), generator=torch.Generator().manual_seed(6))
     batch = H2OCache(spec, config, rows=3)
     forward(tiny_model, batch, ids, [14, 12, 7])
-    snapshot = [(layer.keys[:3].clone(), layer.scores[:3].clone()) for layer in batch.layers]
+    keys, scores = batch.buffers().keys[:, :3].clone(), batch.buffers().scores[:, :3].clone()
     lengths = list(batch.lengths)
     popped = batch.pop(0)
     assert batch.lengths == [lengths[2], lengths[1]] and popped.lengths == [lengths[0]]
     batch.extend(popped)
     assert batch.lengths == [lengths[2], lengths[1], lengths[0]]
-    for layer, (keys, scores) in zip(batch.layers, snapshot):
-        for now, before in [(0, 2), (1, 1), (2, 0)]:
-            n = lengths[before]
-            assert torch.equal(layer.keys[now, :, :n], keys[before, :, :n])
-            assert torch.equal(layer.scores[now, :, :n], scores[before, :, :n])
+    for now, before in [(0, 2), (1, 1), (2, 0)]:
+        n = lengths[before]
+        assert torch.equal(batch.buffers().keys[:, now, :, :n], keys[:, before, :, :n])
+        assert torch.equal(batch.buffers().scores[:, now, :, :n], scores[:, before, :, :n])
 
 
 def test_prefill_never_attends_beyond_budget_plus_chunk(tiny_model, monkeypatch):
