@@ -15,7 +15,7 @@ from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.hf import forward, model_spec
 from h2o_cache.sampling import Sample, Sampler, SamplingParams, sample
-from h2o_cache.text import StreamDecoder
+from h2o_cache.text import StreamDecoder, byte_table
 
 
 @dataclass
@@ -41,6 +41,13 @@ class Generator:
         self.spec = model_spec(model)
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+        self._byte_table: list[bytes] | None = None  # computed on first use: [] when the tokenizer has none
+
+    def stream_decoder(self, stop: tuple[str, ...] = ()) -> StreamDecoder:
+        """A detokenizer for one sequence (byte-table fast path when the tokenizer allows, see `text`)."""
+        if self._byte_table is None:
+            self._byte_table = byte_table(self.tokenizer) or []
+        return StreamDecoder(self.tokenizer, stop, self._byte_table or None)
 
     def new_cache(self, rows: int = 0, config: CacheConfig | None = None) -> H2OCache:
         return H2OCache(self.spec, config or self.config, rows)
@@ -95,7 +102,7 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts for a cache of {cache.batch_size} rows")
         params = params if isinstance(params, list) else [params] * len(prompts)
         samplers = [Sampler(p) for p in params]
-        decoders = [StreamDecoder(self.tokenizer, p.stop) for p in params]
+        decoders = [self.stream_decoder(p.stop) for p in params]
         results = [Completion() for _ in prompts]
         logits = self.prefill(cache, [pending + list(p) for pending, p in zip(cache.pending, prompts)])
         active = list(range(len(prompts)))

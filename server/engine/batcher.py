@@ -91,7 +91,7 @@ class Batcher:
         for seq in seqs:
             try:
                 if not seq.started:
-                    seq.start(lambda: self.generator.new_cache(1), self.generator.tokenizer)
+                    seq.start(lambda: self.generator.new_cache(1), self.generator.stream_decoder)
                 started.append(seq)
             except Exception as error:
                 log.exception("prefill failed for request %s", seq.request_id)

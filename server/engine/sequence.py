@@ -52,7 +52,7 @@ class Sequence:
     def started(self) -> bool:
         return self.sampler is not None
 
-    def start(self, new_cache: Callable[[], H2OCache], tokenizer) -> None:
+    def start(self, new_cache: Callable[[], H2OCache], new_decoder: Callable[[tuple[str, ...]], StreamDecoder]) -> None:
         """Take the session's cache when the turn continues it, else a new one, to prefill.
 
         The session's pending token now leads `turn.prefill`. Until this, a cancelled request
@@ -63,7 +63,7 @@ class Sequence:
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
         self.sampler = Sampler(self.params)
-        self.decoder = StreamDecoder(tokenizer, self.params.stop)
+        self.decoder = new_decoder(self.params.stop)
 
     def append(self, sample: Sample, eos_token_ids: set[int]) -> tuple[Delta | None, str | None]:
         """Record a sampled token. Returns the delta to stream (None for an end token) and the
