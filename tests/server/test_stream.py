@@ -7,6 +7,8 @@ import httpx
 import pytest
 
 from server.engine.types import GenerationFailed
+from server.protocol import ChunkChoice
+from server.routes.completion import Completion
 from tests.engine.conftest import until
 
 URL = "/v1/chat/completions"
@@ -96,3 +98,11 @@ async def test_a_stream_left_before_its_first_chunk_is_cancelled(app, engine):
              "server": ("test", 80)}
     await app(scope, receive, send)
     assert engine.handles[0].cancelled.is_set()
+
+
+@pytest.mark.parametrize("text", ["hello", ' "quoted" \\ back', "é 日本 😀", "".join(map(chr, range(32))) + "\x7f\u2028"])
+def test_content_frames_are_the_bytes_pydantic_would_write(text):
+    completion = Completion("m", str)
+    expected = completion.chunk([ChunkChoice(delta={"content": text})])
+    assert completion.content_chunk(text) == expected
+    assert json.loads(expected.removeprefix("data: "))["choices"][0]["delta"]["content"] == text
