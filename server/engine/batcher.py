@@ -7,6 +7,7 @@ import threading
 import time
 
 from h2o_cache import Sample
+from server.engine.handle import Outbox
 from server.engine.metrics import EngineMetrics
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
@@ -37,6 +38,8 @@ class Batcher:
         self.prefill_tokens = prefill_tokens
         self.generator = runner.generator
         self.resident = (0, 0)  # (tokens, bytes) in the caches of sequences in flight
+        self._outbox = Outbox()
+        self._listeners: dict[int, Sequence] = {}  # whose queue an item in the outbox goes to
         self._thread: threading.Thread | None = None
 
     @property
@@ -60,7 +63,10 @@ class Batcher:
             except Exception:  # a bug outside any one sequence: fail them all, keep serving
                 log.exception("engine step failed")
                 self._fail_all([*self.scheduler.waiting, *self.scheduler.running], "internal error in the engine")
+            finally:
+                self._flush()
         self._fail_all(self.scheduler.drain(), "the engine stopped")
+        self._flush()
 
     def _fail_all(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
@@ -154,8 +160,16 @@ class Batcher:
             self._finish(seq, reason)
 
     def _emit(self, seq: Sequence, item) -> None:
-        if not seq.channel.put(item):
-            seq.cancelled = True  # nobody is listening any more
+        self._outbox.put(seq.channel, item)
+        self._listeners[id(seq.channel.queue)] = seq
+
+    def _flush(self) -> None:
+        """Hand this iteration's output to the event loop (one wake-up); after `step` and on failures."""
+        for queue in self._outbox.flush():
+            seq = self._listeners.get(id(queue))
+            if seq is not None:
+                seq.cancelled = True  # nobody is listening any more
+        self._listeners.clear()
 
     # ----- endings ----------------------------------------------------------------------------
 
@@ -210,4 +224,4 @@ class Batcher:
             self.sessions.release(seq.session)
             self.metrics.record_request("error", seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
             failure = error if isinstance(error, GenerationFailed) else GenerationFailed(f"generation failed: {error}")
-            seq.channel.put(failure)
+            self._emit(seq, failure)

@@ -29,6 +29,39 @@ class Channel:
         return True
 
 
+class Outbox:
+    """Items for many channels, delivered with one wake-up of their event loop per `flush`.
+
+    The engine thread emits an item per running row per step; one `call_soon_threadsafe` per item
+    would wake the loop B times a step. Items keep their order per channel.
+    """
+
+    def __init__(self):
+        self._items: list[tuple[Channel, Delta | Finish | Exception]] = []
+
+    def put(self, channel: Channel, item: Delta | Finish | Exception) -> None:
+        self._items.append((channel, item))
+
+    def flush(self) -> list[Channel]:
+        """Deliver everything put so far; returns the channels whose loop is gone (nobody listens)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for channel, item in self._items:
+            by_loop.setdefault(channel.loop, []).append((channel.queue, item))
+        self._items = []
+        gone = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # event loop closed
+                gone += [queue for queue, _ in items]
+        return gone
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class Handle:
     """Async-iterable of `Delta`s ending with exactly one `Finish`; raises `GenerationFailed`.
 
@@ -55,18 +88,39 @@ class Handle:
         return self._stream()
 
     async def _stream(self) -> AsyncIterator[Delta | Finish]:
+        batches = self.batches()
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()  # now, not at garbage collection: closing cancels the request
+
+    async def batches(self) -> AsyncIterator[list[Delta | Finish]]:
+        """The same items, as lists of everything that has arrived (at least one item each): a
+        consumer that fell behind catches up in one go, e.g. one network write for several tokens."""
+        queue = self._channel.queue
         try:
             while True:
-                item = await self._channel.queue.get()
-                if item is _CLOSED:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for item in items:
+                    if item is _CLOSED:
+                        break
+                    if isinstance(item, Exception):
+                        self._done = True
+                        if batch:
+                            yield batch
+                        raise item if isinstance(item, GenerationFailed) else GenerationFailed(str(item))
+                    batch.append(item)
+                    if isinstance(item, Finish):
+                        self._done = True
+                        break
+                if batch:
+                    yield batch
+                if self._done or item is _CLOSED:
                     return
-                if isinstance(item, Exception):
-                    self._done = True
-                    raise item if isinstance(item, GenerationFailed) else GenerationFailed(str(item))
-                if isinstance(item, Finish):
-                    self._done = True
-                    yield item
-                    return
-                yield item
         finally:
             self.cancel()

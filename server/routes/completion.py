@@ -47,6 +47,14 @@ class Completion:
         body = ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return sse(body.model_dump_json())
 
+    def frames(self, item: Delta | Finish, include_usage: bool) -> str:
+        if isinstance(item, Finish):
+            finish = self.chunk([ChunkChoice(delta={}, finish_reason=item.finish_reason)])
+            return finish + (self.chunk([], UsageInfo.of(item.usage)) if include_usage else "")
+        if item.logprobs:
+            return self.chunk([ChunkChoice(delta={"content": item.text}, logprobs=self.logprobs(item))])
+        return self.content_chunk(item.text) if item.text else ""
+
     async def body(self, handle, request: Request) -> ChatCompletion | None:
         """Collect the whole reply; None when the client left first (the request is then cancelled)."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
@@ -71,20 +79,16 @@ class Completion:
     async def stream(self, handle, include_usage: bool) -> AsyncIterator[str]:
         """SSE frames: role, content deltas, finish, usage (when asked), [DONE].
 
+        Every token is its own frame; the frames of tokens that arrived while the client was still
+        being written to go out in one write (`Handle.batches`), so a slow reader costs one pass
+        through the ASGI stack per catch-up rather than per token.
         The response is cancelled when the client disconnects (Starlette watches for it), which
         raises CancelledError here; `finally` then frees the request's batch slot.
         """
         try:
             yield self.chunk([ChunkChoice(delta={"role": "assistant", "content": ""})])
-            async for item in handle:
-                if isinstance(item, Finish):
-                    yield self.chunk([ChunkChoice(delta={}, finish_reason=item.finish_reason)])
-                    if include_usage:
-                        yield self.chunk([], UsageInfo.of(item.usage))
-                elif item.logprobs:
-                    yield self.chunk([ChunkChoice(delta={"content": item.text}, logprobs=self.logprobs(item))])
-                elif item.text:
-                    yield self.content_chunk(item.text)
+            async for batch in handle.batches():
+                yield "".join(self.frames(item, include_usage) for item in batch)
         except EngineError as exc:
             if not isinstance(exc, GenerationFailed):
                 log.warning("engine error in a stream: %r", exc)

@@ -35,6 +35,10 @@ class FakeHandle:
     def __aiter__(self):
         return self._stream()
 
+    async def batches(self):
+        async for item in self:
+            yield [item]
+
     async def _stream(self):
         for item in self.items:
             if self.hold is not None:
