@@ -47,6 +47,7 @@ class StaticDecoder:
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache = H2OCache(self.spec, config)
         self.cache.reserve(max_rows, config.budget + 1)
+        self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + 1)
         self._inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=device)  # tokens, slots, positions
         self._staging = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -67,6 +68,8 @@ class StaticDecoder:
             raise ValueError(f"a step needs 1..{self.max_rows} rows, the cache has {rows}")
         if any(len(p) != 1 for p in cache.pending):
             raise ValueError("every row needs exactly one pending token to decode")
+        if cache.buffers().keys.data_ptr() != self._storage:
+            raise RuntimeError("the batch cache was reallocated; its graphs would read freed memory")
         bucket = next(b for b in self.buckets if b >= rows)
         staging = self._staging
         if self._uploaded is not None:

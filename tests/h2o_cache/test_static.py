@@ -132,3 +132,14 @@ def test_layers_that_are_not_llamas_are_refused():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with pytest.raises(UnsupportedModelError, match="q_norm"):
         StaticDecoder(model, CacheConfig(policy="h2o", budget=16), max_rows=2)
+
+
+def test_a_reallocated_cache_is_refused_rather_than_read_stale(peaked_model):
+    config = CacheConfig(policy="h2o", budget=16)
+    decoder = StaticDecoder(peaked_model, config, max_rows=1)
+    row = prefilled_row(Generator(peaked_model, ByteTokenizer(), config), [4, 5, 6], 7)
+    decoder.cache.extend(row)
+    decoder.cache.extend(row)  # one row more than it was built for: the buffers move
+    decoder.cache.pop(1)
+    with pytest.raises(RuntimeError, match="reallocated"):
+        decoder.step()
