@@ -1,0 +1,139 @@
+"""Disconnect storm: many concurrent streams, a share of which vanish at random points; nothing may leak.
+
+Each round starts `--streams` streaming chats at once. A `--disconnect` share of them drop their
+connection at a random point: before the response arrives, before the first token, or after a
+few tokens. Every other stream must complete with exactly `--max-tokens` tokens and a usage
+chunk that says so. After each round the server's /metrics must come back to idle: no running or
+waiting sequence and no KV cache held for requests in flight.
+
+    python -m clients.storm --streams 32 --disconnect 0.25 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from clients.api import ServerUnavailable, make_client, served_model, wait_ready
+from clients.loadbench import format_table
+
+IDLE_GAUGES = ("h2o_running_sequences", "h2o_waiting_sequences")
+
+
+@dataclass
+class Round:
+    completed: int = 0
+    disconnected: int = 0
+    wrong: list[str] = field(default_factory=list)  # survivors that did not end as they should
+    settled_s: float = float("nan")  # seconds until /metrics showed no request in flight
+
+
+async def one_stream(client: httpx.AsyncClient, model: str, text: str, max_tokens: int, leave_after: int | None) -> str | None:
+    """Stream a reply. leave_after: tokens after which to drop the connection (0: before the first;
+    -1: before the response headers); None: read to the end. Returns what went wrong, or None."""
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "messages": [{"role": "user", "content": text}]}
+    request = client.stream("POST", "/v1/chat/completions", json=body)
+    if leave_after == -1:
+        task = asyncio.create_task(request.__aenter__())
+        await asyncio.sleep(0)
+        task.cancel()
+        return None
+    tokens, usage, done = 0, None, False
+    async with request as response:
+        if response.status_code != 200:
+            return f"status {response.status_code}: {(await response.aread())[:200]!r}"
+        async for line in response.aiter_lines():
+            if leave_after is not None and tokens >= leave_after:
+                return None  # leaving the block closes the connection mid-stream
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return f"error frame: {chunk['error']}"
+            tokens += sum(1 for c in chunk["choices"] if c["delta"].get("content"))
+            usage = chunk.get("usage") or usage
+    if not done or usage is None or usage["completion_tokens"] != max_tokens:
+        return f"ended with done={done}, usage={usage}"
+    return None
+
+
+async def in_flight(client: httpx.AsyncClient) -> dict[str, float]:
+    text = (await client.get("/metrics")).text
+    gauges = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in IDLE_GAUGES:
+            gauges[name] = float(value)
+    return gauges
+
+
+async def run_round(url: str, streams: int, disconnect: float, max_tokens: int, rng: random.Random,
+                    settle_timeout: float = 60.0) -> Round:
+    result = Round()
+    async with make_client(url, timeout=120) as client:
+        await wait_ready(client, timeout=60)
+        model = await served_model(client)
+        plans = [None if rng.random() >= disconnect else rng.choice([-1, 0, rng.randint(1, max_tokens - 1)])
+                 for _ in range(streams)]
+        outcomes = await asyncio.gather(*(
+            one_stream(client, model, f"storm {i}: tell me something", max_tokens, plan)
+            for i, plan in enumerate(plans)))
+        for plan, outcome in zip(plans, outcomes):
+            if plan is not None:
+                result.disconnected += 1
+            elif outcome is None:
+                result.completed += 1
+            else:
+                result.wrong.append(outcome)
+        began = time.monotonic()
+        while time.monotonic() - began < settle_timeout:
+            if all(v == 0 for v in (await in_flight(client)).values()):
+                result.settled_s = time.monotonic() - began
+                break
+            await asyncio.sleep(0.05)
+    return result
+
+
+async def storm(url: str, rounds: int, streams: int, disconnect: float, max_tokens: int, seed: int = 0) -> list[Round]:
+    rng = random.Random(seed)
+    return [await run_round(url, streams, disconnect, max_tokens, rng) for _ in range(rounds)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams per round")
+    p.add_argument("--disconnect", type=float, default=0.25, help="share of streams that vanish")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        rounds = asyncio.run(storm(args.base_url, args.rounds, args.streams, args.disconnect, args.max_tokens, args.seed))
+    except (ServerUnavailable, httpx.TransportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    rows = [[str(i + 1), str(r.completed), str(r.disconnected), str(len(r.wrong)), f"{r.settled_s:.2f}"]
+            for i, r in enumerate(rounds)]
+    print(format_table(["round", "completed", "disconnected", "wrong", "idle after (s)"], rows))
+    for r in rounds:
+        for problem in r.wrong[:3]:
+            print(f"  wrong: {problem}")
+    ok = all(not r.wrong and r.settled_s == r.settled_s for r in rounds)  # NaN: never settled
+    print("ok" if ok else "FAILED: a survivor ended wrongly or the server did not return to idle")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
