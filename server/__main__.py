@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(settings, on_load_failure=stop_serving)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level=settings.log_level, timeout_graceful_shutdown=5))
+                                           log_level=settings.log_level,
+                                           timeout_graceful_shutdown=settings.shutdown_timeout))
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown

@@ -35,6 +35,9 @@ class ServerSettings(BaseSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="uvicorn log level")
+    shutdown_timeout: float = Field(
+        30.0, ge=0, le=3600, description="on SIGTERM/SIGINT: seconds in-flight replies get to finish (no new "
+                                         "connection is accepted meanwhile) before they are cancelled")
 
     # ----- model ------------------------------------------------------------------------------------
     model: str | None = Field(
