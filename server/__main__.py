@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 import uvicorn
 from pydantic_settings import CliApp
 
 from server.app import create_app
 from server.settings import ServerSettings
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, and at the first SIGTERM/SIGINT a timer: replies still running just before the
+    shutdown timeout end with an error frame and `data: [DONE]`, instead of a cut connection."""
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        engine = self.config.app.state.engine
+        if first and engine is not None:
+            timeout = self.config.timeout_graceful_shutdown or 0.0
+            timer = threading.Timer(max(timeout - min(1.0, timeout / 2), 0.0), engine.abort,
+                                    args=("the server is shutting down",))
+            timer.daemon = True
+            timer.start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True  # polled by uvicorn's main loop; safe to set from the loader thread
 
     app = create_app(settings, on_load_failure=stop_serving)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+    server = _Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=settings.log_level,
                                            timeout_graceful_shutdown=settings.shutdown_timeout))
     try:

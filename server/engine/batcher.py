@@ -76,6 +76,9 @@ class Batcher:
                 log.exception("could not fail request %s cleanly", seq.request_id)
 
     def step(self) -> None:
+        reason = self.scheduler.take_abort()
+        if reason:
+            self._fail_all([*self.scheduler.waiting, *self.scheduler.running], reason)
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.cancelled:
                 self._cancel(seq)

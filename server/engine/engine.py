@@ -46,6 +46,10 @@ class Engine:
         """Stop the thread and wait for it; requests still in flight fail with GenerationFailed."""
         self.batcher.stop()
 
+    def abort(self, reason: str) -> None:
+        """Fail every request in flight with GenerationFailed(reason) within one step (any thread)."""
+        self.scheduler.abort(reason)
+
     @property
     def ready(self) -> bool:
         return self.batcher.alive

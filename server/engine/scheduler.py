@@ -28,6 +28,7 @@ class Scheduler:
         self._inbox: deque[Sequence] = deque()
         self._in_flight = 0  # reserved, waiting or running: what max_queue bounds
         self._stopping = False
+        self._abort: str | None = None  # set by `abort`: fail everything in flight with this message
         self._cond = threading.Condition()
 
     # ----- asyncio thread -----------------------------------------------------------------------
@@ -60,7 +61,18 @@ class Scheduler:
             self._stopping = True
             self._cond.notify()
 
+    def abort(self, reason: str) -> None:
+        """Have the engine thread fail every request in flight at its next iteration (any thread)."""
+        with self._cond:
+            self._abort = reason
+            self._cond.notify()
+
     # ----- engine thread ------------------------------------------------------------------------
+
+    def take_abort(self) -> str | None:
+        with self._cond:
+            reason, self._abort = self._abort, None
+            return reason
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until there is something to do, or `timeout` seconds pass; False once stopping.

@@ -183,3 +183,16 @@ async def test_stop_fails_requests_in_flight_and_refuses_new_ones(make_engine):
             pass
     with pytest.raises(EngineNotReady):
         await engine.submit(ask("hello"))
+
+
+async def test_abort_fails_everything_in_flight_and_the_engine_keeps_serving(make_engine):
+    engine = make_engine(max_batch_size=1)
+    running = await engine.submit(ask("never ending", greedy(5000)))
+    stream, _ = await first_delta(running)
+    waiting = await engine.submit(ask("queued", greedy(5)))
+    engine.abort("the server is shutting down")
+    for handle in (stream, waiting):
+        with pytest.raises(GenerationFailed, match="shutting down"):
+            async for _ in handle:
+                pass
+    assert len((await collect(await engine.submit(ask("after", greedy(3))))).token_ids) == 3

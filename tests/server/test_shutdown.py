@@ -39,7 +39,7 @@ def stream_after_sigterm(proc, url, max_tokens):
     """Start a stream, SIGTERM the server once tokens flow, read the rest; (tokens, usage, done)."""
     body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    tokens, usage, done = 0, None, False
+    tokens, usage, done, errors = 0, None, False, []
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
@@ -49,21 +49,24 @@ def stream_after_sigterm(proc, url, max_tokens):
                     done = True
                     break
                 chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"]["message"])
+                    continue
                 tokens += sum(1 for c in chunk.get("choices", []) if c["delta"].get("content"))
                 usage = chunk.get("usage") or usage
                 if tokens == 5:
                     proc.send_signal(signal.SIGTERM)
     except httpx.RemoteProtocolError:  # the server closed the stream at its shutdown timeout
         pass
-    return tokens, usage, done
+    return tokens, usage, done, errors
 
 
 @pytest.mark.slow
 def test_sigterm_lets_a_reply_in_flight_finish_and_refuses_new_connections(tiny_model_dir):
     proc, url = start(tiny_model_dir, "--shutdown-timeout", "60")
     try:
-        tokens, usage, done = stream_after_sigterm(proc, url, 400)
-        assert done and usage["completion_tokens"] == 400  # the whole reply, after the SIGTERM
+        tokens, usage, done, errors = stream_after_sigterm(proc, url, 400)
+        assert done and not errors and usage["completion_tokens"] == 400  # the whole reply, after the SIGTERM
         assert proc.wait(timeout=30) == -signal.SIGTERM  # uvicorn re-raises the signal once drained
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=2)
@@ -72,12 +75,13 @@ def test_sigterm_lets_a_reply_in_flight_finish_and_refuses_new_connections(tiny_
 
 
 @pytest.mark.slow
-def test_a_reply_longer_than_the_shutdown_timeout_is_cut(tiny_model_dir):
-    proc, url = start(tiny_model_dir, "--shutdown-timeout", "0.5")
+def test_a_reply_longer_than_the_shutdown_timeout_ends_with_an_error_frame(tiny_model_dir):
+    proc, url = start(tiny_model_dir, "--shutdown-timeout", "2")
     try:
         started = time.monotonic()
-        tokens, usage, done = stream_after_sigterm(proc, url, 4000)
-        assert not done and tokens < 4000 and time.monotonic() - started < 30
+        tokens, usage, done, errors = stream_after_sigterm(proc, url, 4000)
+        assert done and errors == ["the server is shutting down"]  # then `data: [DONE]`, not a cut
+        assert tokens < 4000 and time.monotonic() - started < 30
         assert proc.wait(timeout=30) == -signal.SIGTERM
     finally:
         proc.kill()
