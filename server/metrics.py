@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -65,6 +67,15 @@ def _histogram(lines: list[str], name: str, help: str, h: Histogram) -> None:
     lines += [f"{name}{suffix} {_number(value)}" for suffix, value in samples]
 
 
+def resident_memory_bytes() -> int | None:
+    """The process's resident set now (Linux /proc; None elsewhere), as Prometheus clients name it."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def render(requests: RequestCounter, stats: EngineStats | None) -> str:
     """The exposition text; the engine's families are left out while the model is loading."""
     lines: list[str] = []
@@ -72,6 +83,10 @@ def render(requests: RequestCounter, stats: EngineStats | None) -> str:
             [(f'{{code="{code}"}}', n) for code, n in sorted(requests.by_status.items())])
     _family(lines, "h2o_model_ready", "gauge", "1 once the model is loaded and the engine runs",
             [("", 0 if stats is None else 1)])
+    rss = resident_memory_bytes()
+    if rss is not None:
+        _family(lines, "process_resident_memory_bytes", "gauge", "resident memory of the server process",
+                [("", rss)])
     if stats is None:
         return "\n".join(lines) + "\n"
     for name, kind, help, value in [
