@@ -33,7 +33,7 @@ async def test_a_storm_leaves_survivors_whole_and_nothing_in_flight(live_url, en
     rounds = await storm(live_url, rounds=3, streams=32, disconnect=0.25, max_tokens=24, seed=1)
     assert all(not r.wrong for r in rounds), [r.wrong for r in rounds]
     assert all(r.settled_s == r.settled_s for r in rounds)  # not NaN: idle again after every round
-    assert rounds[-1].rss_mb - rounds[0].rss_mb < 100 and rounds[0].rss_mb > 0
+    assert rounds[-1].other_mb - rounds[0].other_mb < 100 and rounds[0].rss_mb > rounds[0].kv_mb > 0
     assert sum(r.disconnected for r in rounds) >= 12 and sum(r.completed for r in rounds) >= 60
     stats = engine.stats()
     assert (stats.running, stats.waiting, engine.batcher.resident) == (0, 0, (0, 0))
