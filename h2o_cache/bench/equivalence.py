@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import torch
-
 from h2o_cache import CacheConfig, Generator, StaticDecoder
 from h2o_cache.bench.common import add_model_args, load, markdown_table
 

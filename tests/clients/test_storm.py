@@ -1,8 +1,6 @@
 """The disconnect storm against the real engine (tiny model) over real HTTP: survivors complete,
 and nothing is left in flight."""
 
-import asyncio
-
 import pytest
 
 from clients.storm import main, storm
