@@ -107,7 +107,7 @@ def _api_error(status: int, body: bytes | str) -> ApiError:
         return ApiError(status, (body.decode(errors="replace") if isinstance(body, bytes) else body)[:300])
 
 
-async def _chunks(response: httpx.Response):
+async def sse_chunks(response: httpx.Response):
     """The JSON objects of an SSE stream, up to `data: [DONE]`; an error frame raises ApiError."""
     async with aclosing(response.aiter_lines()) as lines:  # closed on break or raise, not left to GC
         async for line in lines:
@@ -140,7 +140,7 @@ async def stream_chat(client: httpx.AsyncClient, messages: list[dict], *, model:
             if r.status_code != 200:
                 raise _api_error(r.status_code, await r.aread())
             turn.session_id = r.headers.get("x-session-id")
-            async with aclosing(_chunks(r)) as chunks:
+            async with aclosing(sse_chunks(r)) as chunks:
                 async for chunk in chunks:
                     turn.usage = chunk.get("usage") or turn.usage
                     for choice in chunk.get("choices") or []:

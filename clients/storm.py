@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import httpx
 
-from clients.api import ServerUnavailable, make_client, served_model, wait_ready
+from clients.api import ApiError, ServerUnavailable, make_client, served_model, sse_chunks, wait_ready
 from clients.loadbench import format_table
 
 IDLE_GAUGES = ("h2o_running_sequences", "h2o_waiting_sequences")
@@ -55,25 +55,21 @@ async def one_stream(client: httpx.AsyncClient, model: str, text: str, max_token
         await asyncio.sleep(0)
         task.cancel()
         return None
-    tokens, usage, done = 0, None, False
+    tokens, usage = 0, None
     async with request as response:
         if response.status_code != 200:
             return f"status {response.status_code}: {(await response.aread())[:200]!r}"
-        async for line in response.aiter_lines():
-            if leave_after is not None and tokens >= leave_after:
-                return None  # leaving the block closes the connection mid-stream
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return f"error frame: {chunk['error']}"
-            tokens += sum(1 for c in chunk["choices"] if c["delta"].get("content"))
-            usage = chunk.get("usage") or usage
-    if not done or usage is None or usage["completion_tokens"] != max_tokens:
-        return f"ended with done={done}, usage={usage}"
+        try:
+            async with aclosing(sse_chunks(response)) as chunks:  # ends at `data: [DONE]`
+                async for chunk in chunks:
+                    if leave_after is not None and tokens >= leave_after:
+                        return None  # leaving the block closes the connection mid-stream
+                    tokens += sum(1 for c in chunk["choices"] if c["delta"].get("content"))
+                    usage = chunk.get("usage") or usage
+        except (ApiError, httpx.TransportError) as e:
+            return f"stream broke: {e!r}"
+    if usage is None or usage["completion_tokens"] != max_tokens:
+        return f"ended with usage={usage}"
     return None
 
 
