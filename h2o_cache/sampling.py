@@ -50,7 +50,7 @@ class Sampler:
     in a CUDA graph or follow a row from batch to batch).
     """
 
-    def __init__(self, params: SamplingParams, device: torch.device | None = None):
+    def __init__(self, params: SamplingParams):
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.draws = 0

@@ -10,8 +10,8 @@ def byte_table(tokenizer) -> list[bytes] | None:
     use), with special tokens as b"" (they are skipped); None for any other tokenizer.
 
     With it, `StreamDecoder` appends bytes per token instead of calling `tokenizer.decode` twice
-    (13 us per token and row on our CPU, against ~1 us): that is per-row host work in every decode
-    step of a large batch.
+    (3.7 against 10.4 us a token on our CPU, stop-string handling included): that is per-row host
+    work in every decode step of a large batch.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is None or type(backend.decoder).__name__ != "ByteLevel" or backend.normalizer is not None

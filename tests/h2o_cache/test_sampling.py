@@ -7,7 +7,7 @@ LOGITS = torch.tensor([0.0, 3.0, 2.9, -1.0, 1.0])
 
 
 def draws(params, n=200):
-    sampler = Sampler(params, torch.device("cpu"))
+    sampler = Sampler(params)
     return [sampler(LOGITS).token for _ in range(n)]
 
 
@@ -28,12 +28,12 @@ def test_top_k_and_top_p_restrict_the_candidates():
 
 
 def test_frequency_penalty_discourages_repeats():
-    sampler = Sampler(SamplingParams(frequency_penalty=2.5), torch.device("cpu"))
+    sampler = Sampler(SamplingParams(frequency_penalty=2.5))
     assert [sampler(LOGITS).token for _ in range(3)] == [1, 2, 4]
 
 
 def test_logprobs_report_chosen_and_top_tokens():
-    sample = Sampler(SamplingParams(logprobs=2), torch.device("cpu"))(LOGITS)
+    sample = Sampler(SamplingParams(logprobs=2))(LOGITS)
     expected = LOGITS.log_softmax(-1)
     assert sample.logprob == pytest.approx(expected[1].item())
     assert [t for t, _ in sample.top_logprobs] == [1, 2]
