@@ -39,7 +39,6 @@ class Batcher:
         self.generator = runner.generator
         self.resident = (0, 0)  # (tokens, bytes) in the caches of sequences in flight
         self._outbox = Outbox()
-        self._listeners: dict[int, Sequence] = {}  # whose queue an item in the outbox goes to
         self._thread: threading.Thread | None = None
 
     @property
@@ -164,15 +163,13 @@ class Batcher:
 
     def _emit(self, seq: Sequence, item) -> None:
         self._outbox.put(seq.channel, item)
-        self._listeners[id(seq.channel.queue)] = seq
 
     def _flush(self) -> None:
         """Hand this iteration's output to the event loop (one wake-up); after `step` and on failures."""
-        for queue in self._outbox.flush():
-            seq = self._listeners.get(id(queue))
-            if seq is not None:
+        gone = {id(channel) for channel in self._outbox.flush()}
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if id(seq.channel) in gone:
                 seq.cancelled = True  # nobody is listening any more
-        self._listeners.clear()
 
     # ----- endings ----------------------------------------------------------------------------
 

@@ -46,20 +46,20 @@ class Outbox:
         """Deliver everything put so far; returns the channels whose loop is gone (nobody listens)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for channel, item in self._items:
-            by_loop.setdefault(channel.loop, []).append((channel.queue, item))
+            by_loop.setdefault(channel.loop, []).append((channel, item))
         self._items = []
         gone = []
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # event loop closed
-                gone += [queue for queue, _ in items]
+                gone += [channel for channel, _ in items]
         return gone
 
 
-def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _deliver(items: list[tuple[Channel, object]]) -> None:
+    for channel, item in items:
+        channel.queue.put_nowait(item)
 
 
 class Handle:

@@ -124,4 +124,4 @@ def test_an_outbox_reports_channels_whose_loop_is_gone():
     loop.close()
     outbox = Outbox()
     outbox.put(channel, Delta("a"))
-    assert outbox.flush() == [channel.queue]
+    assert outbox.flush() == [channel]
