@@ -1,0 +1,177 @@
+"""Pass-key and fact retrieval through budgeted caches, vs budget, filler length and depth.
+
+A 5-digit pass key (or, with `--fact`, a one-sentence fact: a secret city) is planted at a depth of
+0-90% of a filler from `botchan.txt`, and the chat then asks for it. The answer is teacher-forced
+after a fixed opening ("The pass key is"), and a key counts as recalled when greedy decoding would
+produce every one of its tokens there; this equals greedy generation after that opening and costs
+one pass per answer token. All keys of one cell run as rows of one batch.
+
+`--chat N ...` asks the way the product is used instead: turn 1 tells the key, then N turns each
+paste ~350 words of the filler and ask for a one-line summary (the assistant's replies are a fixed
+short acknowledgement, teacher-forced, to keep the runs cheap), and the last turn asks for the key.
+A conversation longer than the model's window is reported as n/a for `full`, which cannot follow it.
+
+Caches: `policy:budget` (`full` has no budget). Prompts are fed in chunks of budget // 4, 512 for
+full, as in the other benches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from h2o_cache import CacheConfig, Generator
+from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
+from h2o_cache.bench.nll import FULL_CHUNK, Item, score
+
+CITIES = [
+    "Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Dublin", "Quito", "Seoul", "Tunis", "Vienna",
+    "Manila", "Dakar", "Havana", "Riga", "Perth", "Cairo", "Bogota", "Zurich", "Accra", "Kyoto",
+]
+FILLER_START = 2000  # tokens of botchan.txt skipped: the Project Gutenberg header is not story text
+
+
+@dataclass(frozen=True)
+class Secret:
+    """What is planted and how it is asked for."""
+
+    needle: str  # the sentence planted in the filler
+    question: str
+    opening: str  # the teacher-forced start of the answer
+    answer: str  # what must follow the opening, with its leading space
+
+
+def secrets(n: int, fact: bool, seed: int = 0) -> list[Secret]:
+    rng = random.Random(seed)
+    if fact:
+        return [Secret(f" The secret city is {city}. Remember the secret city: {city}. ",
+                       "What is the secret city?", "The secret city is", f" {city}")
+                for city in rng.sample(CITIES, n)]
+    keys = [rng.randrange(10_000, 100_000) for _ in range(n)]
+    return [Secret(f" The pass key is {key}. Remember it. {key} is the pass key. ",
+                   "What is the pass key?", "The pass key is", f" {key}") for key in keys]
+
+
+def answer_tokens(gen: Generator, secret: Secret) -> tuple[list[int], list[int]]:
+    """(opening tokens, answer tokens) such that their concatenation tokenizes opening + answer."""
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    opening, whole = encode(secret.opening), encode(secret.opening + secret.answer)
+    if whole[:len(opening)] != opening:
+        raise ValueError(f"{secret.opening!r} tokenizes differently before {secret.answer!r}")
+    return opening, whole[len(opening):]
+
+
+def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> Item:
+    """One user message: instruction, the filler with the needle at `depth`, the question."""
+    marker = "\x00"
+    rendered = gen.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"There is a secret hidden in the text below. Find it and remember it.\n\n"
+                                     f"{marker}\n\n{secret.question}"}],
+        tokenize=False, add_generation_prompt=True)
+    before, after = rendered.split(marker)
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    at = int(depth * len(filler))
+    opening, answer = answer_tokens(gen, secret)
+    context = encode(before) + filler[:at] + encode(secret.needle) + filler[at:] + encode(after) + opening
+    return Item(context, answer)
+
+
+def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, words_per_turn: int = 350) -> Item:
+    """Turn 1 tells the secret, `turns` filler turns follow, the last turn asks for it."""
+    ack = "Noted."
+    messages = [{"role": "user", "content": f"Please remember this.{secret.needle.rstrip()}"},
+                {"role": "assistant", "content": "OK, I will remember it."}]
+    for turn in range(turns):
+        passage = " ".join(words[turn * words_per_turn:(turn + 1) * words_per_turn])
+        messages += [{"role": "user", "content": f"Here is a passage:\n\n{passage}\n\nSummarize it in one line."},
+                     {"role": "assistant", "content": ack}]
+    messages.append({"role": "user", "content": f"{secret.question} I told you at the start."})
+    rendered = gen.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    opening, answer = answer_tokens(gen, secret)
+    return Item(gen.tokenizer.encode(rendered, add_special_tokens=False) + opening, answer)
+
+
+def cache_config(spec: str) -> CacheConfig:
+    """`full` or `policy:budget`."""
+    policy, _, budget = spec.partition(":")
+    if policy == "full":
+        return CacheConfig(policy="full", prefill_chunk=FULL_CHUNK)
+    return CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4))
+
+
+def recalled(gen: Generator, config: CacheConfig, items: list[Item], batch: int) -> int:
+    """How many items' answers greedy decoding reproduces in full."""
+    total = 0
+    for start in range(0, len(items), batch):
+        group = items[start:start + batch]
+        _, hits = score(gen, config, group)
+        total += sum(int(h) == len(item.target) for h, item in zip(hits.tolist(), group))
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text", type=Path, default=data_path("botchan.txt"), help="filler text")
+    parser.add_argument("--caches", nargs="+", default=["full", "h2o:256", "streaming:256", "local:256", "h2o:1024"],
+                        help="`full` or policy:budget")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="filler tokens")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
+    parser.add_argument("--chat", type=int, nargs="*", default=None,
+                        help="multi-turn instead: numbers of filler turns between telling and asking")
+    parser.add_argument("--keys", type=int, default=20, help="keys (or facts) per cell")
+    parser.add_argument("--fact", action="store_true", help="plant a secret city instead of a 5-digit key")
+    parser.add_argument("--batch", type=int, default=20, help="rows per forward pass")
+    parser.add_argument("--seed", type=int, default=0)
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    if args.fact and args.keys > len(CITIES):
+        parser.error(f"--fact has {len(CITIES)} cities, fewer than --keys {args.keys}")
+
+    model, tokenizer = load(args)
+    gen = Generator(model, tokenizer)
+    window = getattr(model.config, "max_position_embeddings", None)
+    text = args.text.read_text()
+    planted = secrets(args.keys, args.fact, args.seed)
+    if args.chat is not None:
+        words = text.split()[FILLER_START // 2:]
+        cells = [(f"{n} turns", [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat]
+    else:
+        filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
+        cells = [(f"{length} tok, depth {depth:.0%}", [single_prompt(gen, filler[:length], s, depth) for s in planted])
+                 for length in args.lengths for depth in args.depths]
+    accuracy: dict[tuple[str, str], float | None] = {}
+    for spec in args.caches:
+        config = cache_config(spec)
+        for label, items in cells:
+            longest = max(len(item.context) + len(item.target) for item in items)
+            if not config.evicts and window and longest > window:
+                accuracy[(spec, label)] = None  # the full cache cannot hold more than the model's window
+                continue
+            began = time.perf_counter()
+            accuracy[(spec, label)] = recalled(gen, config, items, args.batch) / len(items)
+            print(f"{spec} {label}: {accuracy[(spec, label)]:.2f} ({time.perf_counter() - began:.0f} s)",
+                  file=sys.stderr, flush=True)
+    what = "secret city" if args.fact else "5-digit pass key"
+    mode = "multi-turn chat" if args.chat is not None else "one prompt"
+    rows = [[label, max(len(i.context) for i in items), *(
+        "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
+        for label, items in cells]
+    rows.append(["mean", "", *(_mean([accuracy[(spec, label)] for label, _ in cells]) for spec in args.caches)])
+    print(markdown_table(["cell", "prompt tokens", *args.caches], rows,
+                         f"Recall of a {what} ({mode}), {args.keys} per cell, greedy after a forced opening; "
+                         f"model window {window}"))
+
+
+def _mean(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{sum(known) / len(known):.2f}" if known else "n/a"
+
+
+if __name__ == "__main__":
+    main()

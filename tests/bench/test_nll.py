@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h2o_cache import CacheConfig, Generator
+from h2o_cache.bench.nll import Item, grid, load_items, report, score, score_batched, sweep, targets
+from tests.conftest import ByteTokenizer
+
+
+class ChatByteTokenizer(ByteTokenizer):
+    def apply_chat_template(self, messages, **kwargs):
+        return self.encode(messages[-1]["content"])
+
+
+def items(lengths, target_len=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [Item(torch.randint(3, 128, (n,), generator=generator).tolist(),
+                 torch.randint(3, 128, (target_len + i,), generator=generator).tolist()) for i, n in enumerate(lengths)]
+
+
+def test_full_cache_scores_equal_a_plain_forward_of_the_whole_sequence(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer)
+    batch = items([40, 25, 33])
+    nll, hits = score(gen, CacheConfig(policy="full", prefill_chunk=16), batch)
+    for item, got_nll, got_hits in zip(batch, nll, hits):
+        ids = torch.tensor([item.context + item.target])
+        with torch.no_grad():
+            logits = tiny_model(ids).logits[0, len(item.context) - 1:-1].float()
+        target = torch.tensor(item.target)
+        assert got_nll.item() == pytest.approx(F.cross_entropy(logits, target, reduction="sum").item(), rel=1e-4)
+        assert got_hits.item() == (logits.argmax(-1) == target).sum().item()
+
+
+def test_h2o_with_a_budget_beyond_the_sequence_equals_full(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer)
+    batch = items([40, 25])
+    full, _ = score(gen, CacheConfig(policy="full"), batch)
+    roomy, _ = score(gen, CacheConfig(policy="h2o", budget=200, prefill_chunk=8), batch)
+    assert torch.allclose(full, roomy, rtol=1e-4)
+
+
+def test_an_item_scores_the_same_whatever_its_batch(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer)
+    batch = items([60, 45, 70, 52])
+    config = CacheConfig(policy="h2o", budget=24, prefill_chunk=6)  # evicts during prompt and target
+    together, hits = score_batched(gen, config, batch, batch=3)
+    alone = torch.cat([score(gen, config, [item])[0] for item in batch])
+    assert torch.allclose(together, alone, rtol=1e-4)
+    full, _ = score(gen, CacheConfig(policy="full"), batch)
+    assert not torch.allclose(together, full, rtol=1e-3)  # the budget really evicted something
+
+
+def test_load_items_skips_long_prompts_and_keeps_file_order(tiny_model, tmp_path):
+    path = tmp_path / "x.jsonl"
+    docs = ["a" * 10, "b" * 300, "c" * 60]
+    path.write_text("".join(json.dumps({"document": d, "summary": d[:4]}) + "\n" for d in docs))
+    loaded, skipped = load_items(Generator(tiny_model, ChatByteTokenizer()), path, limit=5, max_prompt_tokens=200)
+    assert skipped == 1 and [len(i.target) for i in loaded] == [4, 4]
+    assert len(loaded[0].context) < len(loaded[1].context)
+
+
+def test_report_and_targets_compare_every_run_with_full_and_h2o_with_local():
+    tokens = torch.tensor([10.0, 20.0, 30.0])
+    full = torch.tensor([20.0, 40.0, 60.0])
+    results = {"full": full, "h2o 128": full + tokens * 0.01, "local 128": full + tokens * 0.3}
+    hits = {k: torch.tensor([5, 10, 15]) for k in results}
+    runs = [run for run in grid(["h2o", "local"], [128])]
+    text = report(results, hits, tokens, runs, "caption")
+    assert "| local 128 |" in text and "+0.3000 [+0.3000, +0.3000]" in text
+    lines = targets(results, tokens, [128])
+    assert lines[0].endswith("met") and "+0.5%" in lines[0]  # 0.01 nats on a mean of 2
+    assert lines[1].startswith("- h2o 128 - local 128: -0.2900") and lines[1].endswith("met")
+
+
+def test_sweep_covers_every_setting():
+    runs = sweep([128, 256], [0.25, 0.75], [0, 4])
+    assert len(runs) == 8 and len({r.label for r in runs}) == 8
+    assert {(r.config.heavy_ratio, r.config.sinks) for r in runs} == {(0.25, 0), (0.25, 4), (0.75, 0), (0.75, 4)}
