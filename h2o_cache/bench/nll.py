@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_cache import CacheConfig, Generator
+from h2o_cache import CacheConfig, Generator, H2OCache
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
 from h2o_cache.bench.stats import ratio_of_sums_difference
 from h2o_cache.bench.xsum import INSTRUCTION
@@ -65,14 +65,15 @@ def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int) -
 
 
 @torch.no_grad()
-def score(gen: Generator, config: CacheConfig, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor]:
+def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per item, the summed NLL (nats) of its target tokens and how many of them greedy decoding hits.
 
     All items run as rows of one cache: prefill in chunks, then one target token per row and pass,
     teacher-forced. Rows never share scores (the cache keeps them apart), so an item's result does
-    not depend on the batch. Returns ([N] fp64 NLL sums, [N] int64 greedy hits).
+    not depend on the batch. With `cache` (one row per item, already holding a common prefix, see
+    `fork`), each context continues what its row holds. Returns ([N] fp64 NLL sums, [N] int64 hits).
     """
-    cache = gen.new_cache(len(items), config)
+    cache = cache if cache is not None else gen.new_cache(len(items), config)
     logits = gen.prefill(cache, [item.context for item in items])  # [B, V], predicts target[0]
     width = max(len(item.target) for item in items)
     targets = torch.tensor([item.target + [-1] * (width - len(item.target)) for item in items])
@@ -91,6 +92,20 @@ def score(gen: Generator, config: CacheConfig, items: list[Item]) -> tuple[torch
         pieces = [[item.target[t]] if t + 1 < len(item.target) else [] for item in items]
         logits = gen.step(cache, pieces)
     return nll, hits
+
+
+@torch.no_grad()
+def fork(gen: Generator, config: CacheConfig, prefix: list[int], rows: int) -> H2OCache:
+    """A cache of `rows` identical rows that have consumed `prefix` (prefilled once, then copied)."""
+    cache = gen.new_cache(rows=0, config=config)
+    if not prefix:
+        cache.add_rows(rows)
+        return cache
+    single = gen.new_cache(1, config)
+    gen.prefill(single, [prefix])
+    for _ in range(rows):
+        cache.extend(single)
+    return cache
 
 
 def score_batched(gen: Generator, config: CacheConfig, items: list[Item], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,8 +192,8 @@ def targets(results: dict[str, torch.Tensor], tokens: torch.Tensor, budgets: lis
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=data_path("xsum_dev.jsonl"), help="JSONL with `document` and `summary`")
-    parser.add_argument("--limit", type=int, default=200, help="articles to score (file order)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048, help="skip articles whose prompt is longer")
+    parser.add_argument("--limit", type=int, default=100, help="articles to score (file order)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip articles whose prompt is longer")
     parser.add_argument("--policies", nargs="+", default=["h2o", "streaming", "local"], help="evicting policies")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="KV budgets")
     parser.add_argument("--sweep", action="store_true",

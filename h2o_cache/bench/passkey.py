@@ -28,7 +28,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
-from h2o_cache.bench.nll import FULL_CHUNK, Item, score
+from h2o_cache.bench.nll import FULL_CHUNK, Item, fork, score
 
 CITIES = [
     "Lisbon", "Nairobi", "Oslo", "Lima", "Hanoi", "Dublin", "Quito", "Seoul", "Tunis", "Vienna",
@@ -67,8 +67,12 @@ def answer_tokens(gen: Generator, secret: Secret) -> tuple[list[int], list[int]]
     return opening, whole[len(opening):]
 
 
-def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> Item:
-    """One user message: instruction, the filler with the needle at `depth`, the question."""
+def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> tuple[list[int], Item]:
+    """One user message: instruction, the filler with the needle at `depth`, the question.
+
+    Returns the tokens before the needle, which do not depend on the secret (all keys of a cell
+    share them, so they are prefilled once), and the rest of the prompt with the answer to score.
+    """
     marker = "\x00"
     rendered = gen.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"There is a secret hidden in the text below. Find it and remember it.\n\n"
@@ -78,8 +82,7 @@ def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: floa
     encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     at = int(depth * len(filler))
     opening, answer = answer_tokens(gen, secret)
-    context = encode(before) + filler[:at] + encode(secret.needle) + filler[at:] + encode(after) + opening
-    return Item(context, answer)
+    return encode(before) + filler[:at], Item(encode(secret.needle) + filler[at:] + encode(after) + opening, answer)
 
 
 def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, words_per_turn: int = 350) -> Item:
@@ -105,12 +108,12 @@ def cache_config(spec: str) -> CacheConfig:
     return CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4))
 
 
-def recalled(gen: Generator, config: CacheConfig, items: list[Item], batch: int) -> int:
-    """How many items' answers greedy decoding reproduces in full."""
+def recalled(gen: Generator, config: CacheConfig, prefix: list[int], items: list[Item], batch: int) -> int:
+    """How many items, each continuing the common `prefix`, have answers greedy decoding reproduces."""
     total = 0
     for start in range(0, len(items), batch):
         group = items[start:start + batch]
-        _, hits = score(gen, config, group)
+        _, hits = score(gen, config, group, fork(gen, config, prefix, len(group)))
         total += sum(int(h) == len(item.target) for h, item in zip(hits.tolist(), group))
     return total
 
@@ -118,13 +121,13 @@ def recalled(gen: Generator, config: CacheConfig, items: list[Item], batch: int)
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text", type=Path, default=data_path("botchan.txt"), help="filler text")
-    parser.add_argument("--caches", nargs="+", default=["full", "h2o:256", "streaming:256", "local:256", "h2o:1024"],
+    parser.add_argument("--caches", nargs="+", default=["full", "h2o:256", "streaming:256", "local:256"],
                         help="`full` or policy:budget")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="filler tokens")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="filler tokens (the issue's grid adds 4096 8192: hours on a CPU)")
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--chat", type=int, nargs="*", default=None,
                         help="multi-turn instead: numbers of filler turns between telling and asking")
-    parser.add_argument("--keys", type=int, default=20, help="keys (or facts) per cell")
+    parser.add_argument("--keys", type=int, default=10, help="keys (or facts) per cell")
     parser.add_argument("--fact", action="store_true", help="plant a secret city instead of a 5-digit key")
     parser.add_argument("--batch", type=int, default=20, help="rows per forward pass")
     parser.add_argument("--seed", type=int, default=0)
@@ -140,29 +143,32 @@ def main(argv: list[str] | None = None) -> None:
     planted = secrets(args.keys, args.fact, args.seed)
     if args.chat is not None:
         words = text.split()[FILLER_START // 2:]
-        cells = [(f"{n} turns", [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat]
+        cells = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat]
     else:
         filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
-        cells = [(f"{length} tok, depth {depth:.0%}", [single_prompt(gen, filler[:length], s, depth) for s in planted])
-                 for length in args.lengths for depth in args.depths]
+        cells = []
+        for length in args.lengths:
+            for depth in args.depths:
+                probes = [single_prompt(gen, filler[:length], s, depth) for s in planted]
+                cells.append((f"{length} tok, depth {depth:.0%}", probes[0][0], [item for _, item in probes]))
     accuracy: dict[tuple[str, str], float | None] = {}
     for spec in args.caches:
         config = cache_config(spec)
-        for label, items in cells:
-            longest = max(len(item.context) + len(item.target) for item in items)
+        for label, prefix, items in cells:
+            longest = len(prefix) + max(len(item.context) + len(item.target) for item in items)
             if not config.evicts and window and longest > window:
                 accuracy[(spec, label)] = None  # the full cache cannot hold more than the model's window
                 continue
             began = time.perf_counter()
-            accuracy[(spec, label)] = recalled(gen, config, items, args.batch) / len(items)
+            accuracy[(spec, label)] = recalled(gen, config, prefix, items, args.batch) / len(items)
             print(f"{spec} {label}: {accuracy[(spec, label)]:.2f} ({time.perf_counter() - began:.0f} s)",
                   file=sys.stderr, flush=True)
     what = "secret city" if args.fact else "5-digit pass key"
     mode = "multi-turn chat" if args.chat is not None else "one prompt"
-    rows = [[label, max(len(i.context) for i in items), *(
+    rows = [[label, len(prefix) + max(len(i.context) for i in items), *(
         "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
-        for label, items in cells]
-    rows.append(["mean", "", *(_mean([accuracy[(spec, label)] for label, _ in cells]) for spec in args.caches)])
+        for label, prefix, items in cells]
+    rows.append(["mean", "", *(_mean([accuracy[(spec, label)] for label, _, _ in cells]) for spec in args.caches)])
     print(markdown_table(["cell", "prompt tokens", *args.caches], rows,
                          f"Recall of a {what} ({mode}), {args.keys} per cell, greedy after a forced opening; "
                          f"model window {window}"))

@@ -78,3 +78,14 @@ def test_sweep_covers_every_setting():
     runs = sweep([128, 256], [0.25, 0.75], [0, 4])
     assert len(runs) == 8 and len({r.label for r in runs}) == 8
     assert {(r.config.heavy_ratio, r.config.sinks) for r in runs} == {(0.25, 0), (0.25, 4), (0.75, 0), (0.75, 4)}
+
+
+def test_a_forked_prefix_scores_like_feeding_prefix_and_context_together(tiny_model, byte_tokenizer):
+    from h2o_cache.bench.nll import fork
+
+    gen = Generator(tiny_model, byte_tokenizer)
+    config = CacheConfig(policy="h2o", budget=200, prefill_chunk=200)  # never evicts: one pass == two passes
+    prefix, batch = [7] * 30, items([20, 12])
+    forked, _ = score(gen, config, batch, fork(gen, config, prefix, len(batch)))
+    whole, _ = score(gen, config, [Item(prefix + item.context, item.target) for item in batch])
+    assert torch.allclose(forked, whole, rtol=1e-4)

@@ -33,14 +33,15 @@ def test_the_needle_sits_at_its_depth_and_the_answer_follows_the_opening(gen):
     secret = secrets(1, fact=False)[0]
     needle = gen.tokenizer.encode(secret.needle)
     for depth in (0.0, 0.5, 0.9):
-        item = single_prompt(gen, filler, secret, depth)
-        text = gen.tokenizer.decode(item.context)
+        prefix, item = single_prompt(gen, filler, secret, depth)
+        assert prefix == single_prompt(gen, filler, secrets(2, fact=True)[1], depth)[0]  # shared by all secrets
+        text = gen.tokenizer.decode(prefix + item.context)
         before_needle = text.index(secret.needle)
         xs_before = text[:before_needle].count("#")
         assert xs_before == int(depth * len(filler))
         assert text.endswith("assistant: The pass key is")
         assert gen.tokenizer.decode(item.target) == secret.answer
-        assert len(item.context) >= len(filler) + len(needle)
+        assert len(prefix) + len(item.context) >= len(filler) + len(needle)
 
 
 def test_chat_prompt_tells_first_and_asks_last(gen):
@@ -56,7 +57,8 @@ def test_chat_prompt_tells_first_and_asks_last(gen):
 
 def test_recalled_counts_items_greedy_decoding_reproduces(gen):
     secret = secrets(3, fact=False)
-    items = [single_prompt(gen, [50] * 40, s, 0.5) for s in secret]
-    hits = recalled(gen, cache_config("h2o:32"), items, batch=2)
+    probes = [single_prompt(gen, [50] * 40, s, 0.5) for s in secret]
+    prefix, items = probes[0][0], [item for _, item in probes]
+    hits = recalled(gen, cache_config("h2o:32"), prefix, items, batch=2)
     assert 0 <= hits <= 3
     assert cache_config("full").policy == "full" and cache_config("local:64").budget == 64
