@@ -39,6 +39,7 @@ class Item:
 
     context: list[int]
     target: list[int]
+    reference: str = ""  # the target as text, where there is one (an XSum summary)
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int) -
             if len(prompt) > max_prompt_tokens:
                 skipped += 1
                 continue
-            target = gen.tokenizer.encode(record["summary"].strip(), add_special_tokens=False)
-            items.append(Item(prompt, target))
+            summary = record["summary"].strip()
+            items.append(Item(prompt, gen.tokenizer.encode(summary, add_special_tokens=False), summary))
             if len(items) == limit:
                 break
     return items, skipped
