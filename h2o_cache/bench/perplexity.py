@@ -71,6 +71,11 @@ def segment_perplexity(nll: torch.Tensor, segment: int) -> list[float]:
     return [math.exp(float(nll[(positions // segment) == k].mean())) for k in range(int(positions[-1]) // segment + 1)]
 
 
+def edges(nll: torch.Tensor, span: int) -> tuple[float, float]:
+    """Perplexity of the first and of the last `span` predicted tokens: does quality drift over a long run?"""
+    return math.exp(float(nll[:span].mean())), math.exp(float(nll[-span:].mean()))
+
+
 def table(perplexities: dict[str, list[float]], segment: int, window: int, caption: str) -> str:
     labels = list(perplexities)
     n = max(len(p) for p in perplexities.values())
@@ -95,20 +100,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", type=int, nargs="*", default=[64, 128, 256, 512, 1024], help="H2O budgets with position rolling")
     parser.add_argument("--no-rolling-budgets", type=int, nargs="*", default=[256, 1024], help="H2O budgets without position rolling")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache baseline")
+    parser.add_argument("--edge", type=int, default=10240, help="tokens compared at the start and end of the run")
     add_model_args(parser)
     args = parser.parse_args(argv)
 
     model, tokenizer = load(args)
     tokens = torch.tensor(tokenizer.encode(args.text.read_text())[:args.tokens])
     window = getattr(model.config, "max_position_embeddings", 0)
-    perplexities = {}
+    perplexities, drift = {}, {}
     for run in runs(args.budgets, args.no_rolling_budgets, not args.no_full):
         began = time.perf_counter()
-        perplexities[run.label] = segment_perplexity(stream_nll(model, run.config, tokens), args.segment)
+        nll = stream_nll(model, run.config, tokens)
+        perplexities[run.label] = segment_perplexity(nll, args.segment)
+        drift[run.label] = edges(nll, args.edge)
         print(f"{run.label} (chunk {run.chunk}): {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     caption = (f"Perplexity per {args.segment}-token segment, first {len(tokens)} tokens of {args.text.name}, "
                f"heavy_ratio 0.5, model context window {window}")
     print(table(perplexities, args.segment, window, caption))
+    if len(tokens) >= 2 * args.edge:
+        rows = [[label, first, last, last / first] for label, (first, last) in drift.items()]
+        print("\n" + markdown_table(["cache", f"first {args.edge}", f"last {args.edge}", "last / first"], rows,
+                                     f"Perplexity of the first and last {args.edge} tokens of the same run"))
 
 
 if __name__ == "__main__":

@@ -36,3 +36,11 @@ def test_evicting_runs_give_one_finite_perplexity_per_segment(tiny_model):
 def test_segment_perplexity_is_exp_of_the_mean_nll_of_its_tokens():
     nll = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])  # NLL of tokens 1..5
     assert segment_perplexity(nll, 3) == [math.exp(1.5), math.exp(4.0)]
+
+
+def test_edges_compare_the_first_and_last_tokens_of_a_run():
+    from h2o_cache.bench.perplexity import edges
+
+    nll = torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0])
+    first, last = edges(nll, 2)
+    assert first == math.exp(1.0) and last == math.exp(3.0)
