@@ -117,17 +117,20 @@ export class Inspector {
     if (!layers) return;
     const heads = view.layers[0].length;
     const label = 26;
+    const header = 12; // a row of KV head labels
     const rowH = layers > 24 ? 8 : 12;
     const ratio = window.devicePixelRatio || 1;
     const width = Math.max(canvas.clientWidth, 240);
     canvas.width = width * ratio;
-    canvas.height = (layers * rowH + 4) * ratio;
+    canvas.height = (header + layers * rowH + 4) * ratio;
     const ctx = canvas.getContext("2d");
     ctx.scale(ratio, ratio);
     const cellW = (width - label) / heads;
     const span = Math.max(view.conversation_tokens, 1);
-    ctx.font = "8px system-ui, sans-serif";
+    ctx.font = "9px system-ui, sans-serif";
     ctx.fillStyle = "#50555f";
+    for (let h = 0; h < heads; h++) ctx.fillText(`KV head ${h}`, label + h * cellW + 2, 9);
+    ctx.translate(0, header);
     view.layers.forEach((row, layer) => {
       if (layer % 5 === 0) ctx.fillText(`L${layer}`, 2, layer * rowH + rowH);
       row.forEach((head, h) => {
@@ -147,15 +150,16 @@ export class Inspector {
         ctx.fillStyle = "#50555f";
       });
     });
-    this.geometry = { label, rowH, cellW, layers, heads };
+    this.geometry = { label, header, rowH, cellW, layers, heads };
   }
 
   pick(event) {
     const g = this.geometry;
     if (!g) return;
     const box = $("heads").getBoundingClientRect();
-    const layer = Math.floor((event.clientY - box.top) / g.rowH);
-    const head = Math.floor((event.clientX - box.left - g.label) / g.cellW);
+    const scale = box.height / (g.header + g.layers * g.rowH + 4); // CSS may scale the canvas
+    const layer = Math.floor((event.clientY - box.top) / scale / g.rowH - g.header / g.rowH);
+    const head = Math.floor(((event.clientX - box.left) / scale - g.label) / g.cellW);
     if (layer < 0 || layer >= g.layers || head < 0 || head >= g.heads) return;
     [this.layer, this.head] = [layer, head];
     this.draw();
