@@ -9,6 +9,7 @@ cost (one copy of a row's origins and scores) is paid only when someone asks.
 from __future__ import annotations
 
 import asyncio
+from array import array
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -39,7 +40,7 @@ class CacheView:
     turns: list[tuple[int, int]]
 
 
-def snapshot(scheduler: Scheduler, session: Session) -> tuple[KeptTokens | None, list[int], bool]:
+def snapshot(scheduler: Scheduler, session: Session) -> tuple[KeptTokens | None, array, bool]:
     """(kept tokens, token ids, live) of the session's row now; engine thread only, between steps."""
     for row, seq in enumerate(scheduler.running):  # running[i] is row i of the batch
         if seq.session is session:
@@ -48,7 +49,7 @@ def snapshot(scheduler: Scheduler, session: Session) -> tuple[KeptTokens | None,
         if seq.session is session and seq.cache is not None:  # prefilling on its own cache
             return kept_tokens(seq.cache, 0), seq.token_ids, True
     cache = session.cache  # idle, or its request has not started: the last turn's state
-    return (kept_tokens(cache, 0) if cache is not None else None), list(session.token_ids), False
+    return (kept_tokens(cache, 0) if cache is not None else None), session.token_ids, False
 
 
 async def on_engine_thread(scheduler: Scheduler, fn: Callable[[], T]) -> T:
@@ -74,7 +75,7 @@ async def on_engine_thread(scheduler: Scheduler, fn: Callable[[], T]) -> T:
     return await future
 
 
-def spell(tokenizer, ids: list[int]) -> list[str]:
+def spell(tokenizer, ids: array) -> list[str]:
     """Each token's own text (special tokens spelled out; a token holding part of a UTF-8 character
     shows U+FFFD)."""
     return [tokenizer.decode([token], skip_special_tokens=False) for token in ids]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Callable
@@ -37,7 +38,7 @@ class Sequence:
     status: Status = Status.WAITING
     cache: H2OCache | None = None
     prefilled: int = 0
-    history: list[int] = field(default_factory=list)
+    history: array = field(default_factory=lambda: array("i"))
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -62,7 +63,7 @@ class Sequence:
         """
         cache = self.session.cache if self.turn.continues else None
         self.session.cache = None
-        self.history = self.session.token_ids[:cache.seen[0]] if cache is not None else []
+        self.history = self.session.token_ids[:cache.seen[0]] if cache is not None else array("i")
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
         self.sampler = Sampler(self.params)
@@ -78,9 +79,9 @@ class Sequence:
         return Delta(text, [sample.token], [sample] if self.params.logprobs is not None else []), reason
 
     @property
-    def token_ids(self) -> list[int]:
+    def token_ids(self) -> array:
         """Every token its cache has consumed, the pending one included: position p is token_ids[p]."""
-        return self.history + self.turn.prefill[:self.prefilled] + self.output_ids
+        return self.history + array("i", self.turn.prefill[:self.prefilled]) + array("i", self.output_ids)
 
     @property
     def reply(self) -> str:
