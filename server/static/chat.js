@@ -70,7 +70,8 @@ function sampling() {
 async function send(text) {
   showError("");
   const turn = { role: "user", content: text };
-  state.messages.push(turn);
+  const conversation = state.messages;
+  conversation.push(turn);
   addMessage("user", text);
   const body = addMessage("assistant", "");
   const controller = (state.controller = new AbortController());
@@ -82,6 +83,7 @@ async function send(text) {
     if (!pending) { pending = true; requestAnimationFrame(paint); } // at most one render per frame
   };
   const onSession = (id) => {
+    if (state.messages !== conversation) return; // "New chat" was pressed meanwhile
     state.sessionId = id || state.sessionId;
     save();
     inspector.follow(state.sessionId, true);
@@ -106,9 +108,10 @@ async function send(text) {
   } finally {
     paint();
     state.controller = null;
-    if (reply) {
+    const current = state.messages === conversation; // false once "New chat" was pressed meanwhile
+    if (current && reply) {
       state.messages.push({ role: "assistant", content: reply });
-    } else {
+    } else if (current) {
       // Nothing came back: the server kept no trace of this turn, so neither do we.
       state.messages.pop();
       body.parentElement.previousElementSibling.remove();

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from server.engine import SessionNotFound
+from server.engine import EngineNotReady, SessionNotFound
 from tests.engine.conftest import ask, collect, greedy, until
 
 
@@ -73,3 +73,11 @@ async def test_a_session_whose_request_has_not_started_shows_its_last_turn(make_
     assert not view.live and view.conversation_tokens == mine.finish.usage.conversation_tokens
     blocker.cancel()
     await collect(waiting)
+
+
+async def test_a_stopped_engine_is_not_ready_to_inspect(make_engine):
+    engine = make_engine(policy="h2o", budget=16)
+    reply = await collect(await engine.submit(ask("hi", owner="ann")))
+    engine.stop()
+    with pytest.raises(EngineNotReady):
+        await engine.inspect("ann", reply.session_id, last=10)

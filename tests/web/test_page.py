@@ -131,6 +131,10 @@ def test_replies_stream_and_the_inspector_shows_kept_and_evicted_tokens(browser,
     until(browser, lambda b: b.execute_script("return document.documentElement.scrollWidth <= window.innerWidth"))
     browser.save_screenshot(str(SCREENSHOTS / "phone.png"))
 
+    browser.refresh()  # a reload continues the session: the conversation and its cache come back
+    until(browser, lambda b: len(replies(b)) == 2 and f"holds {view['resident_tokens']}" in by_id(
+        b, "cache-summary").text)
+
 
 def test_stop_ends_the_generation_on_the_server(browser, server_url):
     open_page(browser, server_url)
@@ -147,6 +151,11 @@ def test_stop_ends_the_generation_on_the_server(browser, server_url):
           == cancelled + 1, timeout=10)
     assert metrics(server_url)["h2o_running_sequences"] == 0
     assert metrics(server_url)["h2o_generated_tokens_total"] < 3000  # it stopped long before max_tokens
+
+    by_id(browser, "new-chat").click()
+    assert not replies(browser) and by_id(browser, "cache-summary").text == "No conversation yet."
+    assert browser.execute_script("return JSON.parse(localStorage.getItem('h2o-chat.conversation'))") == {
+        "sessionId": None, "messages": []}
 
 
 def test_markdown_is_rendered_and_html_is_escaped(browser, server_url):
