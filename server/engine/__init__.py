@@ -22,7 +22,7 @@ that never got a reply is dropped.
 
 from server.engine.engine import Engine
 from server.engine.handle import Handle
-from server.engine.inspect import CacheView
+from server.engine.inspection import CacheView
 from server.engine.types import (
     ChatRequest, Delta, EngineConfig, EngineError, EngineNotReady, EngineStats, Finish, GenerationFailed,
     Histogram, PromptTooLong, QueueFull, SessionBusy, SessionNotFound, Usage,

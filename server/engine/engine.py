@@ -9,7 +9,7 @@ from typing import Callable
 from h2o_cache import CacheConfig, Generator
 from server.engine.batcher import Batcher
 from server.engine.handle import Channel, Handle
-from server.engine.inspect import CacheView, on_engine_thread, snapshot, spell
+from server.engine.inspection import CacheView, on_engine_thread, snapshot, spell
 from server.engine.metrics import EngineMetrics
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler

@@ -116,6 +116,7 @@ async function send(text) {
       state.messages.pop();
       body.parentElement.previousElementSibling.remove();
       body.parentElement.remove();
+      $("empty").hidden = state.messages.length > 0;
       $("prompt").value = text;
     }
     save();

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h2o_cache import POLICIES, CacheConfig, Generator, H2OCache, StaticDecoder, forward, model_spec
-from h2o_cache.inspect import kept_tokens
+from h2o_cache.kept import kept_tokens
 from tests.conftest import ByteTokenizer, tiny_llama
 from tests.h2o_cache.test_cache import distinct_ids, layer0_values, resident_positions
 

@@ -13,7 +13,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from h2o_cache.inspect import KeptTokens, kept_tokens
+from h2o_cache.kept import KeptTokens, kept_tokens
 from server.engine.scheduler import Scheduler
 from server.engine.session import Session
 
