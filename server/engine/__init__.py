@@ -29,7 +29,7 @@ from server.engine.types import (
 )
 
 __all__ = [
-    "CacheView", "ChatRequest", "Delta", "Engine", "EngineConfig", "EngineError", "EngineNotReady", "EngineStats", "Finish",
-    "GenerationFailed", "Handle", "Histogram", "PromptTooLong", "QueueFull", "SessionBusy", "SessionNotFound",
-    "Usage",
+    "CacheView", "ChatRequest", "Delta", "Engine", "EngineConfig", "EngineError", "EngineNotReady", "EngineStats",
+    "Finish", "GenerationFailed", "Handle", "Histogram", "PromptTooLong", "QueueFull", "SessionBusy",
+    "SessionNotFound", "Usage",
 ]

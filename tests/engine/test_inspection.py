@@ -20,7 +20,8 @@ async def test_a_view_names_the_conversation_tokens_each_head_holds_after_evicti
     assert not view.live and view.session_id == first.session_id
     assert view.conversation_tokens == second.finish.usage.conversation_tokens > 3 * 16
     assert view.kept.length == second.finish.usage.kv_resident_tokens <= 16
-    assert view.turns == [(f.usage.conversation_tokens, f.usage.kv_resident_tokens) for f in (first.finish, second.finish)]
+    usages = [first.finish.usage, second.finish.usage]
+    assert view.turns == [(u.conversation_tokens, u.kv_resident_tokens) for u in usages]
     # The byte tokenizer spells one character per token: the tokens are the text the cache consumed.
     session = engine.sessions.get("ann", first.session_id)
     assert view.first_position == 0 and "".join(view.tokens) == session.consumed_text

@@ -162,9 +162,10 @@ def test_markdown_is_rendered_and_html_is_escaped(browser, server_url):
     open_page(browser, server_url)
     render = """const [text, done] = arguments;
                 import('/static/markdown.js').then((m) => done(m.renderMarkdown(text)));"""
-    html = browser.execute_async_script(render, "# Title\n**bold** and `x<y`\n\n- one\n- two\n\n```py\nif a < b:\n    pass\n```")
-    assert html == ('<h3>Title</h3><p><strong>bold</strong> and <code>x&lt;y</code></p><ul><li>one</li><li>two</li></ul>'
-                    '<pre data-lang="py"><code>if a &lt; b:\n    pass</code></pre>')
+    source = "# Title\n**bold** and `x<y`\n\n- one\n- two\n\n```py\nif a < b:\n    pass\n```"
+    html = browser.execute_async_script(render, source)
+    assert html == ('<h3>Title</h3><p><strong>bold</strong> and <code>x&lt;y</code></p>'
+                    '<ul><li>one</li><li>two</li></ul><pre data-lang="py"><code>if a &lt; b:\n    pass</code></pre>')
     hostile = browser.execute_async_script(render, '<img src=x onerror="alert(1)"> [a](javascript:alert(1)) ```\n<b>')
     assert "<img" not in hostile and "<b>" not in hostile and "<a " not in hostile  # text, not markup or a link
     streaming = browser.execute_async_script(render, "Here:\n```js\nlet a = 1;")  # an unclosed fence
