@@ -65,13 +65,15 @@ class H2OCache:
         _keys, _values: [L, rows, H_kv, capacity, D]  (_keys before RoPE when rolling)
         _rotated:       [L, rows, H_kv, capacity, D]  keys rotated to their slot positions (rolling)
         _scores:        [L, rows, H_kv, capacity] fp32 accumulated attention (scoring policies)
+        _origins:       [L, rows, H_kv, capacity] int64 each slot's token index in its row's sequence
+                        (0 for the row's first token ever fed); moves with the slot on eviction
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
         self.spec = spec
         self.config = config
         self.policy = get_policy(config.policy)
-        self._keys = self._values = self._rotated = self._scores = None
+        self._keys = self._values = self._rotated = self._scores = self._origins = None
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -121,7 +123,7 @@ class H2OCache:
         return single
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self._keys, self._values, self._rotated, self._scores) if t is not None]
+        return [t for t in (self._keys, self._values, self._rotated, self._scores, self._origins) if t is not None]
 
     @torch.no_grad()
     def _copy_row(self, dst: int, src: H2OCache, src_row: int, length: int) -> None:
@@ -134,7 +136,7 @@ class H2OCache:
 
     def buffers(self) -> CacheBuffers:
         """The storage, for the fast path; reallocated only when a pass needs more rows or tokens."""
-        return CacheBuffers(self._keys, self._values, self._rotated, self._scores)
+        return CacheBuffers(self._keys, self._values, self._rotated, self._scores, self._origins)
 
     @torch.no_grad()
     def _reserve(self, rows: int, capacity: int) -> None:
@@ -153,6 +155,7 @@ class H2OCache:
             self._rotated = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
         if self.policy.needs_scores:
             self._scores = torch.zeros(shape[:4], device=spec.device, dtype=torch.float32)
+        self._origins = torch.zeros(shape[:4], device=spec.device, dtype=torch.int64)
         keep_rows, keep_len = self.batch_size, max(self.lengths, default=0)
         if old and keep_rows and keep_len:
             for new, previous in zip(self._buffers(), old):
@@ -186,10 +189,12 @@ class H2OCache:
         if min(n_new) != chunk:
             query_valid = offsets < torch.tensor(n_new, device=device)[:, None]
 
-        if self.config.rolling:
-            positions = write_slots
-        else:
-            positions = torch.tensor(self.seen, device=device)[:, None] + offsets
+        origins = torch.tensor(self.seen, device=device)[:, None] + offsets  # [B, C]
+        positions = write_slots if self.config.rolling else origins
+        # Every layer and head writes the new tokens at the same slots: one write for all of them.
+        spread = (self.spec.num_layers, self.batch_size, self.spec.num_kv_heads, chunk)
+        self._origins[:, :self.batch_size].scatter_(3, write_slots[None, :, None].expand(spread),
+                                                    origins[None, :, None].expand(spread))
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
@@ -301,6 +306,7 @@ class H2OCache:
         self._values[:, picked, :, :target] = self._values[:, picked, :, :longest].gather(3, expanded)
         if scores is not None:
             self._scores[:, picked, :, :target] = scores.gather(3, index)
+        self._origins[:, picked, :, :target] = self._origins[:, picked, :, :longest].gather(3, index)
         if self.config.rolling:
             # Slots moved: every kept key takes the RoPE rotation of its new slot.
             cos, sin = spec.rope.get(target)
@@ -320,12 +326,13 @@ class H2OCache:
         return max(self.lengths, default=0)
 
     def resident_bytes(self, row: int | None = None) -> int:
-        """Bytes held by the tokens of one row (or all rows): keys, values, rotated keys, scores."""
+        """Bytes held by the tokens of one row (or all rows): keys, values, rotated keys, scores, origins."""
         tokens = sum(self.lengths) if row is None else self.lengths[row]
         copies = 3 if self.config.rolling else 2
         per_token = copies * self.spec.num_kv_heads * self.spec.head_dim * self.spec.dtype.itemsize
         if self.policy.needs_scores:
             per_token += self.spec.num_kv_heads * 4
+        per_token += self.spec.num_kv_heads * torch.int64.itemsize  # origins
         return tokens * per_token * self.spec.num_layers
 
     def allocated_bytes(self) -> int:

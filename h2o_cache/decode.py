@@ -61,13 +61,15 @@ class CacheBuffers:
     """Views of an `H2OCache`'s buffers, [L, rows, H_kv, capacity, D] ([.., capacity] for scores).
 
     keys: before RoPE when rolling, else rotated to their absolute positions; rotated: None unless
-    rolling; scores: None unless the policy scores.
+    rolling; scores: None unless the policy scores; origins: int64, each slot's token index in its
+    row's sequence.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     rotated: torch.Tensor | None
     scores: torch.Tensor | None
+    origins: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -108,14 +110,16 @@ def decode_step(
     tokens: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
+    origins: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
 ) -> torch.Tensor:
     """Feed tokens[b] to row b at slot slots[b], RoPE position positions[b]; rows are 0..B-1.
 
-    tokens, slots, positions: [B] int64 on the model's device. cos_table, sin_table: [P, D] fp32.
-    Returns fp32 logits [B, V]. Writes each row's new key/value (and zeroes its score) at its slot,
-    and adds each key's softmax weight, summed over the KV head's query group, to its score.
+    tokens, slots, positions, origins: [B] int64 on the model's device; origins[b] is the token's
+    index in row b's sequence. cos_table, sin_table: [P, D] fp32.
+    Returns fp32 logits [B, V]. Writes each row's new key/value and origin (and zeroes its score) at
+    its slot, and adds each key's softmax weight, summed over the KV head's query group, to its score.
     """
     b = tokens.shape[0]
     h_q, h_kv, d = w.num_heads, w.num_kv_heads, w.head_dim
@@ -131,6 +135,9 @@ def decode_step(
     mask = torch.zeros(visible.shape, device=tokens.device).masked_fill_(~visible, float("-inf"))
     mask = mask[:, None, None].expand(b, h_kv, 1, capacity).reshape(b * h_kv, 1, capacity)
     write = slots[:, None, None, None].expand(b, h_kv, 1, d)
+    spread = (len(w.layers), b, h_kv, 1)  # the same slot in every layer and head: one write
+    cache.origins[:, :b].scatter_(3, slots[None, :, None, None].expand(spread),
+                                  origins[None, :, None, None].expand(spread))
     for layer, lw in enumerate(w.layers):
         qkv = linear(rms_norm(x, lw.input_norm, w.eps), lw.qkv, lw.qkv_bias)
         qk = rotate(qkv[:, :(h_q + h_kv) * d].view(b, h_q + h_kv, d), cos, signed_sin)  # one RoPE for q and k

@@ -49,9 +49,9 @@ class StaticDecoder:
         self.cache.reserve(max_rows, config.budget + 1)
         self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + 1)
-        # tokens and slots; with rolling a new token's RoPE position is its slot
-        self._inputs = torch.zeros(2, max_rows, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(2, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # tokens, slots and origins; with rolling a new token's RoPE position is its slot
+        self._inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         if self.cuda_graphs:
@@ -78,6 +78,7 @@ class StaticDecoder:
         staging[:, rows:bucket] = 0  # padding rows write slot 0 of rows nobody uses
         staging[0, :rows] = torch.tensor([p[0] for p in cache.pending])
         staging[1, :rows] = torch.tensor(cache.lengths)
+        staging[2, :rows] = torch.tensor(cache.seen)
         self._inputs[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
@@ -90,8 +91,8 @@ class StaticDecoder:
         return logits[:rows]
 
     def _run(self, bucket: int) -> torch.Tensor:
-        tokens, slots = self._inputs[:, :bucket]
-        return decode_step(self.weights, self.cache.buffers(), tokens, slots, slots, self._cos, self._sin)
+        tokens, slots, origins = self._inputs[:, :bucket]
+        return decode_step(self.weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin)
 
     def _capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the

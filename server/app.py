@@ -17,8 +17,9 @@ from h2o_cache.loading import model_name
 from server.engine import Engine
 from server.errors import install_error_handlers
 from server.metrics import CountResponses, RequestCounter
-from server.routes import chat_router, status_router
+from server.routes import chat_router, sessions_router, status_router, web_router
 from server.routes.auth import key_owners
+from server.routes.web import static_files
 from server.settings import ServerSettings
 
 log = logging.getLogger("server")
@@ -116,4 +117,7 @@ def create_app(settings: ServerSettings, engine: Engine | None = None,
     app.add_middleware(CountResponses, counter=app.state.requests)
     app.include_router(chat_router)
     app.include_router(status_router)
+    app.include_router(sessions_router)
+    app.include_router(web_router)
+    app.mount("/static", static_files(), name="static")
     return app

@@ -22,13 +22,14 @@ that never got a reply is dropped.
 
 from server.engine.engine import Engine
 from server.engine.handle import Handle
+from server.engine.inspection import CacheView
 from server.engine.types import (
     ChatRequest, Delta, EngineConfig, EngineError, EngineNotReady, EngineStats, Finish, GenerationFailed,
     Histogram, PromptTooLong, QueueFull, SessionBusy, SessionNotFound, Usage,
 )
 
 __all__ = [
-    "ChatRequest", "Delta", "Engine", "EngineConfig", "EngineError", "EngineNotReady", "EngineStats", "Finish",
-    "GenerationFailed", "Handle", "Histogram", "PromptTooLong", "QueueFull", "SessionBusy", "SessionNotFound",
-    "Usage",
+    "CacheView", "ChatRequest", "Delta", "Engine", "EngineConfig", "EngineError", "EngineNotReady", "EngineStats",
+    "Finish", "GenerationFailed", "Handle", "Histogram", "PromptTooLong", "QueueFull", "SessionBusy",
+    "SessionNotFound", "Usage",
 ]

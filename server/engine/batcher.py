@@ -57,6 +57,7 @@ class Batcher:
     def _run(self) -> None:
         while self.scheduler.wait_for_work(timeout=self.sessions.expiry_interval):
             self.sessions.expire_if_due()  # idle sessions go on time, not only when a request comes
+            self._run_calls()
             try:
                 self.step()
             except Exception:  # a bug outside any one sequence: fail them all, keep serving
@@ -66,6 +67,14 @@ class Batcher:
                 self._flush()
         self._fail_all(self.scheduler.drain(), "the engine stopped")
         self._flush()
+        self._run_calls()  # those queued before `stop`: each answers its caller
+
+    def _run_calls(self) -> None:
+        for fn in self.scheduler.take_calls():
+            try:
+                fn()
+            except Exception:  # a call answers its own caller; a bug in one must not stop the engine
+                log.exception("engine call failed")
 
     def _fail_all(self, seqs: list[Sequence], message: str) -> None:
         for seq in seqs:
@@ -186,6 +195,8 @@ class Batcher:
         session.cache = cache
         session.consumed_text = seq.turn.prompt_text + self.generator.tokenizer.decode(
             seq.output_ids, skip_special_tokens=False)
+        session.token_ids = seq.token_ids
+        session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
         self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
         self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
         if reason == "cancelled":

@@ -9,6 +9,7 @@ from typing import Callable
 from h2o_cache import CacheConfig, Generator
 from server.engine.batcher import Batcher
 from server.engine.handle import Channel, Handle
+from server.engine.inspection import CacheView, on_engine_thread, snapshot, spell
 from server.engine.metrics import EngineMetrics
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
@@ -81,6 +82,19 @@ class Engine:
             raise
         return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
                       on_cancel=lambda: self._cancel(seq))
+
+    async def inspect(self, owner: str, session_id: str, last: int) -> CacheView:
+        """What the session's cache holds now, with the text of the conversation's last `last` tokens.
+
+        Raises SessionNotFound for an unknown id and for another owner's alike, EngineNotReady.
+        """
+        if not self.ready:
+            raise EngineNotReady("the engine is not running")
+        session = self.sessions.get(owner, session_id)
+        kept, ids, live = await on_engine_thread(self.scheduler, lambda: snapshot(self.scheduler, session))
+        first = max(len(ids) - last, 0)
+        tokens = await asyncio.to_thread(spell, self.tokenizer, ids[first:])
+        return CacheView(session.id, live, len(ids), kept, first, tokens, list(session.turns))
 
     def _cancel(self, seq: Sequence) -> None:
         seq.cancelled = True

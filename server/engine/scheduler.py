@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Callable
 
 from h2o_cache import H2OCache
 from server.engine.sequence import Sequence, Status
@@ -16,7 +17,7 @@ class Scheduler:
     `running[i]` is row i of `batch`. `H2OCache.pop` moves the last row into the freed one, and
     `leave` mirrors that move, so the two never disagree.
 
-    `reserve`/`add`/`wake` are called from the asyncio thread; everything else from the engine thread.
+    `reserve`/`add`/`wake`/`call` are called from the asyncio thread; everything else from the engine thread.
     """
 
     def __init__(self, batch: H2OCache, max_batch_size: int, max_queue: int):
@@ -29,6 +30,7 @@ class Scheduler:
         self._in_flight = 0  # reserved, waiting or running: what max_queue bounds
         self._stopping = False
         self._abort: str | None = None  # set by `abort`: fail everything in flight with this message
+        self._calls: deque[Callable[[], None]] = deque()  # to run on the engine thread between steps
         self._cond = threading.Condition()
 
     # ----- asyncio thread -----------------------------------------------------------------------
@@ -52,6 +54,14 @@ class Scheduler:
             self._inbox.append(seq)
             self._cond.notify()
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Have the engine thread run `fn` before its next step, when no batch tensor is being written."""
+        with self._cond:
+            if self._stopping:
+                raise EngineNotReady("the engine is stopping")
+            self._calls.append(fn)
+            self._cond.notify()
+
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()
@@ -69,6 +79,12 @@ class Scheduler:
 
     # ----- engine thread ------------------------------------------------------------------------
 
+    def take_calls(self) -> list[Callable[[], None]]:
+        with self._cond:
+            calls = list(self._calls)
+            self._calls.clear()
+            return calls
+
     def take_abort(self) -> str | None:
         with self._cond:
             reason, self._abort = self._abort, None
@@ -78,7 +94,7 @@ class Scheduler:
         """Block until there is something to do, or `timeout` seconds pass; False once stopping.
         Moves newcomers to `waiting`."""
         with self._cond:
-            while not (self._stopping or self._inbox or self.waiting or self.running):
+            while not (self._stopping or self._inbox or self.waiting or self.running or self._calls):
                 if not self._cond.wait(timeout):
                     break
             self.waiting.extend(self._inbox)

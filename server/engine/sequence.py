@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Callable
@@ -24,7 +25,8 @@ class Sequence:
     """A request's generation state, owned by the engine thread once submitted.
 
     While WAITING, `cache` is the 1-row cache being prefilled (None until `start`) and `prefilled`
-    counts the tokens of `turn.prefill` fed so far. While RUNNING, its row of the batch cache holds
+    counts the tokens of `turn.prefill` fed so far. `history` holds the tokens its cache was fed
+    before this turn (see `token_ids`). While RUNNING, its row of the batch cache holds
     the state and `cache` is None; the row's pending token is the last one sampled.
     """
 
@@ -36,6 +38,7 @@ class Sequence:
     status: Status = Status.WAITING
     cache: H2OCache | None = None
     prefilled: int = 0
+    history: array = field(default_factory=lambda: array("i"))
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
     output_ids: list[int] = field(default_factory=list)
@@ -60,6 +63,7 @@ class Sequence:
         """
         cache = self.session.cache if self.turn.continues else None
         self.session.cache = None
+        self.history = self.session.token_ids[:cache.seen[0]] if cache is not None else array("i")
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
         self.sampler = Sampler(self.params)
@@ -73,6 +77,11 @@ class Sequence:
         if text is None:
             return None, reason
         return Delta(text, [sample.token], [sample] if self.params.logprobs is not None else []), reason
+
+    @property
+    def token_ids(self) -> array:
+        """Every token its cache has consumed, the pending one included: position p is token_ids[p]."""
+        return self.history + array("i", self.turn.prefill[:self.prefilled]) + array("i", self.output_ids)
 
     @property
     def reply(self) -> str:

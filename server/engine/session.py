@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from dataclasses import dataclass, field
 
 from h2o_cache import H2OCache
@@ -14,7 +15,9 @@ class Session:
     """A conversation and its cache.
 
     `consumed_text` is exactly the text `cache` has consumed, its pending token included: the rendered
-    prompt of the last turn followed by the decoded reply tokens. A new turn reuses the cache only
+    prompt of the last turn followed by the decoded reply tokens; `token_ids` are those tokens, so the
+    token at position p (a cache origin) is token_ids[p]. An int32 array: 4 bytes a token, about what
+    the text itself takes. A new turn reuses the cache only
     when the newly rendered conversation starts with this text (see `turn.plan_turn`).
 
     While `busy`, the request in flight takes `cache` once its prefill starts (None from then on)
@@ -27,6 +30,8 @@ class Session:
     messages: list[dict] = field(default_factory=list)  # whole conversation, replies the server produced included
     cache: H2OCache | None = None  # None: nothing consumed yet (or reset after a failure)
     consumed_text: str = ""
+    token_ids: array = field(default_factory=lambda: array("i"))
+    turns: list[tuple[int, int]] = field(default_factory=list)  # after each turn: (conversation, resident) tokens
     last_used: float = 0.0  # time.monotonic() seconds
     busy: bool = False
     key: str | None = None  # its entry in the store's prefix index: conversation_keys(owner, messages)[-1]
@@ -45,6 +50,7 @@ class Session:
         """Forget the cache (after a failed or interrupted prefill); the next turn prefills it all."""
         self.cache = None
         self.consumed_text = ""
+        self.token_ids = array("i")
 
 
 def conversation_keys(owner: str, messages: list[dict]) -> list[str]:

@@ -60,6 +60,14 @@ class SessionStore:
             self._expire()  # a new session may push the count over max_sessions
             return session, conversation
 
+    def get(self, owner: str, session_id: str) -> Session:
+        """The owner's session; SessionNotFound for an unknown id and for another owner's alike."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.owner != owner:
+                raise SessionNotFound(f"session {session_id!r} not found")
+            return session
+
     def release(self, session: Session, messages: list[dict] | None = None) -> None:
         """Hand a session back after a turn; `messages` replaces its conversation when given.
 
