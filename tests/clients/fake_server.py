@@ -32,6 +32,13 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
     async def models():
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
+    @app.get("/v1/sessions/{sid}/cache")
+    async def cache(sid: str):
+        if sid not in sessions:
+            return error(404, f"session {sid} not found", "session_not_found")
+        return JSONResponse({"session_id": sid, "conversation_tokens": sessions[sid]},
+                            headers={"X-Replica": replica} if replica else None)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()

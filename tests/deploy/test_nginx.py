@@ -78,3 +78,17 @@ async def test_a_replica_session_id_reached_directly_passes_through(router):
         r = await client.post("/v1/chat/completions", headers={"X-Session-ID": "plain-id"},
                               json={"messages": [{"role": "user", "content": "x"}], "stream": True})
     assert r.status_code == 404 and "plain-id" in r.json()["error"]["message"]
+
+
+async def test_the_cache_inspector_reaches_the_replica_holding_the_session(router):
+    """GET /v1/sessions/<key>.<id>/cache is routed by the key in its path and the replica sees <id>."""
+    url, _ = router
+    async with make_client(url) as client:
+        for _ in range(6):  # several conversations, so some land on other replicas than hash(path) would
+            first = await stream_chat(client, [{"role": "user", "content": "hello"}], max_tokens=3)
+            key, replica_id = first.session_id.split(".")
+            r = await client.get(f"/v1/sessions/{first.session_id}/cache", params={"last": 5})
+            assert r.status_code == 200, r.text
+            assert r.json()["session_id"] == replica_id
+            gone = await client.get(f"/v1/sessions/{key}.unknown/cache")
+            assert gone.status_code == 404
