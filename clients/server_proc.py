@@ -27,10 +27,15 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 @contextmanager
-def spawned_server(policy: str, args: list[str] = (), log: Path = Path("server.log"), ready_timeout: float = 600.0):
-    """Yield the base URL of a healthy server running `--policy policy *args`; always stop it after."""
+def spawned_server(policy: str, args: list[str] = (), log: Path = Path("server.log"), ready_timeout: float = 600.0,
+                   state_dir: str = ""):
+    """Yield the base URL of a healthy server running `--policy policy *args`; always stop it after.
+
+    state_dir: its --state-dir; none by default, so a benchmark never resumes a conversation that an
+    earlier run left on disk."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *args]
+    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--state-dir", state_dir, *args]
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory):
 def start(model_dir, *flags):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
-                             "--threads", "1", "--log-level", "warning", *flags])
+                             "--threads", "1", "--log-level", "warning", "--state-dir", "", *flags])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
