@@ -66,6 +66,16 @@ def byte_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny Llama saved with a real tokenizer, for `python -m server --model DIR` in a child process."""
+    from h2o_cache.bench import random_model
+
+    out = tmp_path_factory.mktemp("tiny")
+    random_model.main([str(out), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, loaded once per test session."""
     from h2o_cache import load_model

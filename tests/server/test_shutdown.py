@@ -10,14 +10,6 @@ import httpx
 import pytest
 
 from clients.server_proc import free_port
-from h2o_cache.bench import random_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    random_model.main([str(out), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
-    return out
 
 
 def start(model_dir, *flags):
