@@ -42,6 +42,7 @@ class Persistence:
         self._lock = threading.Lock()
         self._restored = {"snapshot": 0, "transcript": 0}
         self._refused = 0
+        self._usage = self.db.usage()  # refreshed by `prune`: /metrics never waits for the disk
         self.prune()
 
     # ----- engine thread ---------------------------------------------------------------------------
@@ -59,6 +60,7 @@ class Persistence:
     def prune(self) -> None:
         try:
             self.db.prune(self.clock(), self.ttl, self.max_sessions, self.max_bytes)
+            self._usage = self.db.usage()
         except Exception:
             log.exception("could not apply the limits to the state directory")
 
@@ -66,6 +68,7 @@ class Persistence:
         """The session a request continues, from disk: by id, or the owner's session whose
         conversation is the longest strict prefix of `messages`. None when there is none (or it
         expired). Blocking: call it off the event loop."""
+        started = time.perf_counter()
         if session_id is not None:
             transcript = self.db.get(session_id)
             if transcript is None or transcript.owner != owner:
@@ -80,7 +83,8 @@ class Persistence:
         how = "snapshot" if self._restore_cache(session, transcript) else "transcript"
         with self._lock:
             self._restored[how] += 1
-        log.info("session %s restored from its %s (%d messages)", session.id, how, len(session.messages))
+        log.info("session %s restored from its %s (%d messages) in %.0f ms", session.id, how, len(session.messages),
+                 (time.perf_counter() - started) * 1000)
         return session
 
     def _restore_cache(self, session: Session, transcript: Transcript) -> bool:
@@ -94,13 +98,14 @@ class Persistence:
             log.warning("snapshot of session %s refused (%s); resuming from its transcript", session.id, exc)
             session.reset()
             self.db.drop_snapshot(transcript.id)  # it will never fit this server
+            self._usage = self.db.usage()
             with self._lock:
                 self._refused += 1
             return False
         return True
 
     def stats(self) -> StateStats:
-        usage = self.db.usage()
+        usage = self._usage
         with self._lock:
             return StateStats(sessions=usage.sessions, transcript_bytes=usage.transcript_bytes,
                               snapshot_bytes=usage.snapshot_bytes, restored=dict(self._restored),
