@@ -10,7 +10,8 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/app/.venv/bin:$PATH
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PATH=/app/.venv/bin:$PATH \
+    H2O_STATE_DIR=/state
 
 # CUDA base images have no python3 (Ubuntu's lacks ensurepip until python3-venv); a no-op on python:*-slim.
 RUN if ! python3 -c "import ensurepip" >/dev/null 2>&1; then \
@@ -18,7 +19,7 @@ RUN if ! python3 -c "import ensurepip" >/dev/null 2>&1; then \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && useradd --create-home --uid 10001 app \
-    && mkdir -p /app /out && chown app /out
+    && mkdir -p /app /out /state && chown app /out /state
 
 WORKDIR /app
 
@@ -41,6 +42,8 @@ USER app
 # Fail the build, not the first request, if the baked-in model cannot load without a network.
 RUN python -c "from h2o_cache import load_model; load_model()"
 
+# Conversations persist here (--state-dir); mount a volume to keep them across containers.
+VOLUME /state
 EXPOSE 8000
 # slim images have no curl; urlopen raises on 503 (still loading) and on connection errors.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \

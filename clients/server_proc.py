@@ -26,13 +26,14 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-@contextmanager
-def spawned_server(policy: str, args: list[str] = (), log: Path = Path("server.log"), ready_timeout: float = 600.0):
-    """Yield the base URL of a healthy server running `--policy policy *args`; always stop it after."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, *args]
+def start_server(args: list[str], log: Path, port: int | None = None,
+                 ready_timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """Start `python -m server --host 127.0.0.1 --port PORT *args` (output appended to `log`) and
+    wait until /health answers 200; returns the process and its base URL. The caller stops it."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args]
     url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
+    with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + ready_timeout
@@ -41,17 +42,37 @@ def spawned_server(policy: str, args: list[str] = (), log: Path = Path("server.l
                 raise ServerFailed(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{_tail(log)}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
+                    return proc, url
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
                 raise ServerFailed(f"{url} not healthy after {ready_timeout:.0f} s:\n{_tail(log)}")
             time.sleep(0.5)  # loading the model: polling slowly leaves it the CPU
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def spawned_server(policy: str, args: list[str] = (), log: Path = Path("server.log"), ready_timeout: float = 600.0,
+                   state_dir: str = ""):
+    """Yield the base URL of a healthy server running `--policy policy *args`; always stop it after.
+
+    state_dir: its --state-dir; none by default, so a benchmark never resumes a conversation that an
+    earlier run left on disk."""
+    log.write_text("")
+    proc, url = start_server(["--policy", policy, "--state-dir", state_dir, *args], log, ready_timeout=ready_timeout)
+    try:
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)

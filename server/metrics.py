@@ -8,7 +8,7 @@ from collections import Counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.engine.types import EngineStats, Histogram
+from server.engine.types import EngineStats, Histogram, StateStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -76,6 +76,17 @@ def resident_memory_bytes() -> int | None:
         return None
 
 
+def _state(lines: list[str], state: StateStats) -> None:
+    _family(lines, "h2o_sessions_restored_total", "counter", "sessions brought back from the state dir, by source",
+            [(f'{{source="{source}"}}', n) for source, n in sorted(state.restored.items())])
+    _family(lines, "h2o_snapshots_refused_total", "counter",
+            "snapshots of another model, cache config or format (the transcript served instead)",
+            [("", state.snapshots_refused)])
+    _family(lines, "h2o_state_sessions", "gauge", "sessions kept in the state dir", [("", state.sessions)])
+    _family(lines, "h2o_state_bytes", "gauge", "bytes kept in the state dir, by kind",
+            [('{kind="transcript"}', state.transcript_bytes), ('{kind="snapshot"}', state.snapshot_bytes)])
+
+
 def render(requests: RequestCounter, stats: EngineStats | None) -> str:
     """The exposition text; the engine's families are left out while the model is loading."""
     lines: list[str] = []
@@ -106,4 +117,6 @@ def render(requests: RequestCounter, stats: EngineStats | None) -> str:
     _family(lines, "h2o_requests_finished_total", "counter", "requests ended, by reason",
             [(f'{{reason="{reason}"}}', n) for reason, n in sorted(stats.requests_by_finish.items())])
     _histogram(lines, "h2o_decode_step_seconds", "duration of one batched decode step", stats.decode_step_seconds)
+    if stats.state is not None:
+        _state(lines, stats.state)
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ a flag wins over the environment.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
@@ -14,6 +15,12 @@ from pydantic_settings import BaseSettings, CliImplicitFlag, NoDecode, SettingsC
 
 from h2o_cache import CacheConfig
 from server.engine.types import EngineConfig
+
+
+def default_state_dir() -> str:
+    """$XDG_DATA_HOME/h2o-chat, else ~/.local/share/h2o-chat (the XDG base directory rule)."""
+    data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return str(Path(data_home) / "h2o-chat")
 
 
 class ServerSettings(BaseSettings):
@@ -70,6 +77,14 @@ class ServerSettings(BaseSettings):
     max_queue: int = Field(64, ge=1, le=100_000, description="requests waiting or running; more get 429")
     max_sessions: int = Field(256, ge=1, le=1_000_000, description="conversations kept; least recently used dropped")
     session_ttl: float = Field(1800.0, gt=0, description="seconds an idle conversation is kept")
+    state_dir: str = Field(
+        default_factory=default_state_dir,
+        description="directory where conversations persist: every completed turn's transcript (SQLite) and, at a "
+                    "graceful shutdown, each idle conversation's KV cache, so a restarted server resumes them; "
+                    "'' keeps nothing on disk (default: $XDG_DATA_HOME/h2o-chat or ~/.local/share/h2o-chat)")
+    max_state_bytes: int = Field(
+        8 << 30, ge=0, le=1 << 50, description="most bytes of transcripts and snapshots kept in --state-dir; "
+                                                "beyond, the oldest snapshots go first, then the oldest transcripts")
     max_prompt_tokens: int = Field(
         32768, ge=1, le=10_000_000, description="most prompt tokens one request may prefill; more get 400")
     prefill_chunk: int = Field(
@@ -100,7 +115,8 @@ class ServerSettings(BaseSettings):
         return EngineConfig(max_batch_size=self.max_batch_size, max_queue=self.max_queue,
                             max_sessions=self.max_sessions, session_ttl=self.session_ttl,
                             max_prompt_tokens=self.max_prompt_tokens, prefill_tokens=self.prefill_tokens,
-                            enforce_eager=self.enforce_eager, context_window=context_window)
+                            enforce_eager=self.enforce_eager, context_window=context_window,
+                            state_dir=self.state_dir or None, max_state_bytes=self.max_state_bytes)
 
     def torch_threads(self) -> int:
         """Cores this process may run on (a container's CPU set, not the host's), unless --threads says."""

@@ -42,6 +42,19 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_data_home(tmp_path_factory):
+    """Servers the tests start keep their default state dir (--state-dir) in a temporary
+    XDG_DATA_HOME, never in the home directory; child processes inherit it."""
+    previous = os.environ.get("XDG_DATA_HOME")
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("data-home"))
+    yield
+    if previous is None:
+        del os.environ["XDG_DATA_HOME"]
+    else:
+        os.environ["XDG_DATA_HOME"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()
@@ -50,6 +63,16 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     return ByteTokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The tiny Llama saved with a real tokenizer, for `python -m server --model DIR` in a child process."""
+    from h2o_cache.bench import random_model
+
+    out = tmp_path_factory.mktemp("tiny")
+    random_model.main([str(out), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    return out
 
 
 @pytest.fixture(scope="session")

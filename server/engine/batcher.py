@@ -9,6 +9,7 @@ import time
 from h2o_cache import Sample
 from server.engine.handle import Outbox
 from server.engine.metrics import EngineMetrics
+from server.engine.persistence import Persistence
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence, Status
@@ -30,12 +31,13 @@ class Batcher:
     """
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sessions: SessionStore, metrics: EngineMetrics,
-                 prefill_tokens: int):
+                 prefill_tokens: int, persistence: Persistence | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.sessions = sessions
         self.metrics = metrics
         self.prefill_tokens = prefill_tokens
+        self.persistence = persistence
         self.generator = runner.generator
         self.resident = (0, 0)  # (tokens, bytes) in the caches of sequences in flight
         self._outbox = Outbox()
@@ -186,7 +188,8 @@ class Batcher:
         """End a sequence that produced tokens ("stop", "length", or "cancelled" midway).
 
         Its session keeps everything: the cache with the reply in it, the reply as the assistant's
-        message, and `consumed_text` to match, so the next turn continues from here.
+        message, and `consumed_text` to match, so the next turn continues from here. With a state
+        dir, the transcript is queued for commit and the `Finish` waits for it (see `Handle`).
         """
         cache = self.scheduler.leave(seq)
         self._count_resident()  # before the session counts it, so stats never count it twice
@@ -198,6 +201,7 @@ class Batcher:
         session.token_ids = seq.token_ids
         session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
         self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
+        durable = self.persistence.save_turn(session) if self.persistence is not None else None
         self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
         if reason == "cancelled":
             return
@@ -210,7 +214,7 @@ class Batcher:
             kv_resident_tokens=cache.lengths[0],
             conversation_tokens=cache.seen[0] + len(cache.pending[0]),
         )
-        self._emit(seq, Finish(reason, usage))
+        self._emit(seq, Finish(reason, usage, durable))
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.output_ids:

@@ -7,10 +7,12 @@ import time
 from typing import Callable
 
 from h2o_cache import CacheConfig, Generator
+from h2o_cache.snapshot import cache_identity, model_fingerprint
 from server.engine.batcher import Batcher
 from server.engine.handle import Channel, Handle
 from server.engine.inspection import CacheView, on_engine_thread, snapshot, spell
 from server.engine.metrics import EngineMetrics
+from server.engine.persistence import Persistence
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
@@ -24,6 +26,7 @@ class Engine:
 
     render: (messages, add_generation_prompt) -> prompt text; the tokenizer's chat template by default.
     clock: monotonic seconds, for session expiry (injectable in tests).
+    With `config.state_dir`, sessions persist there (`persistence.Persistence`).
     """
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig, config: EngineConfig = EngineConfig(),
@@ -37,15 +40,25 @@ class Engine:
         self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
         self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
         self.metrics = EngineMetrics()
-        self.batcher = Batcher(self.scheduler, self.runner, self.sessions, self.metrics, config.prefill_tokens)
+        self.persistence = None
+        if config.state_dir:
+            identity = cache_identity(self.generator.new_cache(1), model_fingerprint(model))
+            self.persistence = Persistence(config.state_dir, identity, lambda: self.generator.new_cache(1),
+                                           config.session_ttl, config.max_sessions, config.max_state_bytes)
+        self.batcher = Batcher(self.scheduler, self.runner, self.sessions, self.metrics, config.prefill_tokens,
+                               self.persistence)
 
     def start(self) -> None:
         """Start the background thread that owns the model."""
         self.batcher.start()
 
     def stop(self) -> None:
-        """Stop the thread and wait for it; requests still in flight fail with GenerationFailed."""
+        """Stop the thread and wait for it; requests still in flight fail with GenerationFailed.
+        With a state dir, the idle sessions' caches are then snapshotted there."""
         self.batcher.stop()
+        if self.persistence is not None:
+            persistence, self.persistence = self.persistence, None
+            persistence.close(self.sessions.idle())
 
     def abort(self, reason: str) -> None:
         """Fail every request in flight with GenerationFailed(reason) within one step (any thread)."""
@@ -64,6 +77,9 @@ class Engine:
         """
         if not self.ready:
             raise EngineNotReady("the engine is not running")
+        if self.persistence is not None and not self.sessions.knows(request.owner, request.messages,
+                                                                     request.session_id):
+            await self._recall(request)
         self.scheduler.reserve()
         try:
             session, conversation = self.sessions.claim(request.owner, request.messages, request.session_id)
@@ -96,6 +112,13 @@ class Engine:
         tokens = await asyncio.to_thread(spell, self.tokenizer, ids[first:])
         return CacheView(session.id, live, len(ids), kept, first, tokens, list(session.turns))
 
+    async def _recall(self, request: ChatRequest) -> None:
+        """Bring the session a request continues back from the state dir, if it is there."""
+        persistence = self.persistence
+        session = await asyncio.to_thread(persistence.recall, request.owner, request.messages, request.session_id)
+        if session is not None:
+            self.sessions.adopt(session)
+
     def _cancel(self, seq: Sequence) -> None:
         seq.cancelled = True
         self.scheduler.wake()
@@ -113,5 +136,6 @@ class Engine:
             resident_kv_tokens=idle_tokens + busy_tokens,
             resident_kv_bytes=idle_bytes + busy_bytes,
             decode_step_seconds=step_seconds,
+            state=self.persistence.stats() if self.persistence is not None else None,
             **totals,
         )

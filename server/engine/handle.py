@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator, Callable
 
 from server.engine.types import Delta, Finish, GenerationFailed
+
+log = logging.getLogger(__name__)
 
 _CLOSED = object()  # ends the iteration after cancel()
 
@@ -55,6 +58,16 @@ class Outbox:
             except RuntimeError:  # event loop closed
                 gone += [channel for channel, _ in items]
         return gone
+
+
+async def _committed(finish: Finish) -> None:
+    """Wait until the turn's transcript is on disk, so no reply is seen to end before it is saved."""
+    if finish.durable is None:
+        return
+    try:
+        await asyncio.wrap_future(finish.durable)
+    except Exception:  # the reply stands; only its durability was lost
+        log.exception("the transcript of a finished turn could not be saved")
 
 
 def _deliver(items: list[tuple[Channel, object]]) -> None:
@@ -117,6 +130,7 @@ class Handle:
                     batch.append(item)
                     if isinstance(item, Finish):
                         self._done = True
+                        await _committed(item)
                         break
                 if batch:
                     yield batch

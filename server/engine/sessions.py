@@ -68,6 +68,30 @@ class SessionStore:
                 raise SessionNotFound(f"session {session_id!r} not found")
             return session
 
+    def knows(self, owner: str, messages: list[dict], session_id: str | None) -> bool:
+        """Whether `claim` would find the session here (busy or not), rather than create one."""
+        with self._lock:
+            if session_id is not None:
+                session = self._sessions.get(session_id)
+                return session is not None and session.owner == owner
+            keys = conversation_keys(owner, messages)[:-1]
+            return any(self._by_key.get(key) for key in keys)
+
+    def adopt(self, session: Session) -> None:
+        """Keep a session restored from elsewhere (the state directory); one already here wins."""
+        with self._lock:
+            if session.id in self._sessions:
+                return
+            self._sessions[session.id] = session
+            self._index(session)
+            self._touch(session)
+            self._expire()
+
+    def idle(self) -> list[Session]:
+        """The sessions no request holds, for a snapshot once the engine stopped."""
+        with self._lock:
+            return [s for s in self._sessions.values() if not s.busy]
+
     def release(self, session: Session, messages: list[dict] | None = None) -> None:
         """Hand a session back after a turn; `messages` replaces its conversation when given.
 

@@ -7,6 +7,7 @@ or returns a `Handle` whose async iteration yields `Delta`s and ends with one `F
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from h2o_cache import Sample, SamplingParams
@@ -22,6 +23,8 @@ class EngineConfig:
     prefill_tokens: int = 512  # prompt tokens prefilled per engine iteration (several requests), between decode steps
     enforce_eager: bool = False  # decode on the transformers path, never the fast static step
     context_window: int | None = None  # for policies that never evict (full): prompt + reply limit
+    state_dir: str | None = None  # sessions persist there (transcripts, snapshots at shutdown); None: not at all
+    max_state_bytes: int = 8 << 30  # bytes of transcripts and snapshots kept in state_dir, oldest dropped first
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Usage:
 class Finish:
     finish_reason: str  # "stop" | "length"
     usage: Usage
+    durable: Future | None = None  # done once the turn's transcript is committed (with a state dir)
 
 
 class EngineError(Exception):
@@ -111,3 +115,15 @@ class EngineStats:
     decode_steps_total: int
     decode_step_seconds: Histogram
     requests_by_finish: dict[str, int]  # "stop" | "length" | "cancelled" | "error" -> count
+    state: StateStats | None = None  # None: sessions are not persisted
+
+
+@dataclass
+class StateStats:
+    """The state directory: what it holds now, and what restored sessions came from since start."""
+
+    sessions: int
+    transcript_bytes: int
+    snapshot_bytes: int
+    restored: dict[str, int]  # "snapshot" | "transcript" -> sessions restored from it
+    snapshots_refused: int  # snapshots of another model, cache config or format: the transcript served

@@ -60,6 +60,16 @@ def test_servers_restart_and_healthcheck_on_the_health_endpoint():
         compile(test[3], "healthcheck", "exec")
 
 
+def test_servers_keep_their_state_in_a_named_volume_and_docker_stop_outwaits_the_shutdown():
+    for name in SERVERS:
+        service = SERVICES[name]
+        state_dir = service["environment"]["H2O_STATE_DIR"]
+        assert f"state:{state_dir}" in service["volumes"] and "state" in COMPOSE["volumes"]
+        grace = int(service["stop_grace_period"].removesuffix("s"))
+        # in-flight replies get the shutdown timeout, then the snapshots need time of their own
+        assert grace >= float(service["environment"]["H2O_SHUTDOWN_TIMEOUT"]) + 20
+
+
 def test_gpu_profile_reserves_a_gpu():
     gpu = SERVICES["server-gpu"]
     assert profile_of(gpu) == {"gpu"}

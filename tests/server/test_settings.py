@@ -65,3 +65,15 @@ def test_out_of_bounds_values_are_refused(args):
 
 def test_threads_default_to_the_usable_cores():
     assert ServerSettings().torch_threads() >= 1 and ServerSettings(threads=3).torch_threads() == 3
+
+
+def test_the_state_dir_defaults_to_the_xdg_data_home_and_an_empty_one_turns_persistence_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert parse().engine_config(None).state_dir == str(tmp_path / "h2o-chat")
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert parse().state_dir == str(tmp_path / "home" / ".local" / "share" / "h2o-chat")
+    off = parse("--state-dir", "", "--max-state-bytes", "1000").engine_config(None)
+    assert off.state_dir is None and off.max_state_bytes == 1000
+    monkeypatch.setenv("H2O_STATE_DIR", "/state")
+    assert parse().engine_config(None).state_dir == "/state"

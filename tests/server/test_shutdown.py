@@ -10,20 +10,12 @@ import httpx
 import pytest
 
 from clients.server_proc import free_port
-from h2o_cache.bench import random_model
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    random_model.main([str(out), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
-    return out
 
 
 def start(model_dir, *flags):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(port),
-                             "--threads", "1", "--log-level", "warning", *flags])
+                             "--threads", "1", "--log-level", "warning", "--state-dir", "", *flags])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

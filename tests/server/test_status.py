@@ -1,5 +1,6 @@
 """/health through start-up (503 while the model loads, then 200), /metrics in Prometheus text format."""
 
+import dataclasses
 import re
 import threading
 
@@ -8,6 +9,7 @@ import pytest
 
 from server import app as app_module
 from server.app import create_app
+from server.engine.types import StateStats
 from server.settings import ServerSettings
 from tests.engine.conftest import until
 from tests.server.fake_engine import FakeEngine
@@ -102,3 +104,19 @@ async def test_metrics_in_prometheus_text_format(client):
     assert [v for n, v in families["h2o_decode_step_seconds"]["samples"]] == [2, 4, 5, 0.25, 5]
     assert samples['h2o_decode_step_seconds_bucket{le="+Inf"}'] == samples["h2o_decode_step_seconds_count"]
     assert all(f["type"] == "counter" for n, f in families.items() if n.endswith("_total"))
+
+
+async def test_metrics_report_the_state_dir_when_sessions_persist(client, engine, monkeypatch):
+    assert "h2o_state_bytes" not in (await client.get("/metrics")).text  # no state dir: no such families
+    state = StateStats(sessions=3, transcript_bytes=1200, snapshot_bytes=50_000_000,
+                       restored={"snapshot": 2, "transcript": 1}, snapshots_refused=1)
+    with_state = dataclasses.replace(engine.stats(), state=state)
+    monkeypatch.setattr(engine, "stats", lambda: with_state)
+    families = parse((await client.get("/metrics")).text)
+    samples = {name: value for f in families.values() for name, value in f["samples"]}
+    assert samples['h2o_sessions_restored_total{source="snapshot"}'] == 2
+    assert samples['h2o_sessions_restored_total{source="transcript"}'] == 1
+    assert samples["h2o_snapshots_refused_total"] == 1 and samples["h2o_state_sessions"] == 3
+    assert samples['h2o_state_bytes{kind="snapshot"}'] == 50_000_000
+    assert samples['h2o_state_bytes{kind="transcript"}'] == 1200
+    assert families["h2o_sessions_restored_total"]["type"] == "counter"
