@@ -41,6 +41,7 @@ FILLER_START = 2000  # tokens of botchan.txt skipped: the Project Gutenberg head
 class Secret:
     """What is planted and how it is asked for."""
 
+    kind: str  # what the intro says is hidden: SmolLM2-135M finds a "pass key" only when told one is
     needle: str  # the sentence planted in the filler
     question: str
     opening: str  # the teacher-forced start of the answer
@@ -50,11 +51,11 @@ class Secret:
 def secrets(n: int, fact: bool, seed: int = 0) -> list[Secret]:
     rng = random.Random(seed)
     if fact:
-        return [Secret(f" The secret city is {city}. Remember the secret city: {city}. ",
+        return [Secret("secret city", f" The secret city is {city}. Remember the secret city: {city}. ",
                        "What is the secret city?", "The secret city is", f" {city}")
                 for city in rng.sample(CITIES, n)]
     keys = [rng.randrange(10_000, 100_000) for _ in range(n)]
-    return [Secret(f" The pass key is {key}. Remember it. {key} is the pass key. ",
+    return [Secret("pass key", f" The pass key is {key}. Remember it. {key} is the pass key. ",
                    "What is the pass key?", "The pass key is", f" {key}") for key in keys]
 
 
@@ -75,7 +76,7 @@ def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: floa
     """
     marker = "\x00"
     rendered = gen.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"There is a secret hidden in the text below. Find it and remember it.\n\n"
+        [{"role": "user", "content": f"There is a {secret.kind} hidden in the text below. Find it and remember it.\n\n"
                                      f"{marker}\n\n{secret.question}"}],
         tokenize=False, add_generation_prompt=True)
     before, after = rendered.split(marker)
