@@ -2,9 +2,9 @@
 
 A 5-digit pass key (or, with `--fact`, a one-sentence fact: a secret city) is planted at a depth of
 0-90% of a filler from `botchan.txt`, and the chat then asks for it. The answer is teacher-forced
-after a fixed opening ("The pass key is"), and a key counts as recalled when greedy decoding would
-produce every one of its tokens there; this equals greedy generation after that opening and costs
-one pass per answer token. All keys of one cell run as rows of one batch.
+after a fixed opening ("The pass key is ", its space included), and a key counts as recalled when
+greedy decoding would produce every one of its tokens there; this equals greedy generation after
+that opening and costs one pass per answer token. All keys of one cell run as rows of one batch.
 
 `--chat N ...` asks the way the product is used instead: turn 1 tells the key, then N turns each
 paste ~350 words of the filler and ask for a one-line summary (the assistant's replies are a fixed
@@ -65,7 +65,12 @@ def answer_tokens(gen: Generator, secret: Secret) -> tuple[list[int], list[int]]
     opening, whole = encode(secret.opening), encode(secret.opening + secret.answer)
     if whole[:len(opening)] != opening:
         raise ValueError(f"{secret.opening!r} tokenizes differently before {secret.answer!r}")
-    return opening, whole[len(opening):]
+    answer = whole[len(opening):]
+    if len(answer) > 1 and not gen.tokenizer.decode(answer[:1]).strip():
+        # A lone space before the digits is forced too: SmolLM2-135M often goes on in prose there
+        # ("The pass key is a small wooden box") even when it knows the digits; asked is the key.
+        return whole[:len(opening) + 1], answer[1:]
+    return opening, answer
 
 
 def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> tuple[list[int], Item]:

@@ -39,8 +39,8 @@ def test_the_needle_sits_at_its_depth_and_the_answer_follows_the_opening(gen):
         before_needle = text.index(secret.needle)
         xs_before = text[:before_needle].count("#")
         assert xs_before == int(depth * len(filler))
-        assert text.endswith("assistant: The pass key is")
-        assert gen.tokenizer.decode(item.target) == secret.answer
+        assert text.endswith("assistant: The pass key is ")  # the lone space is forced, the digits asked
+        assert gen.tokenizer.decode(item.target) == secret.answer.strip()
         assert len(prefix) + len(item.context) >= len(filler) + len(needle)
 
 
