@@ -44,3 +44,9 @@ def test_the_static_files_ship_in_the_package():
     patterns = config["tool"]["setuptools"]["package-data"]["server"]
     for path in STATIC.iterdir():
         assert any(fnmatch(path.relative_to(STATIC.parent).as_posix(), p) for p in patterns), path.name
+
+
+async def test_the_page_tells_what_a_small_budget_forgets_and_the_setting_that_helps(client):
+    page = (await client.get("/")).text
+    note = re.search(r'<p id="budget-note"[^>]*>(.*?)</p>', page, re.S).group(1)
+    assert "--kv-budget 1024" in note and "RESULTS.md" in note
