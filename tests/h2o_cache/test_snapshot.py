@@ -45,21 +45,23 @@ def test_a_row_round_trips_bit_exact_and_continues_with_the_same_tokens(tiny_mod
 
 
 def test_a_buffer_the_cache_gains_is_saved_without_changing_the_snapshot_code(tiny_model, byte_tokenizer):
+    """`_origins` arrived this way; `_future` stands for the next buffer someone adds to H2OCache."""
     gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=12, prefill_chunk=8))
     cache = evicted_batch(gen)
     spec = cache.spec
-    cache._origins = torch.randint(0, 99, (spec.num_layers, 2, spec.num_kv_heads, cache.buffers().keys.shape[3]))
+    cache._future = torch.randint(0, 99, (spec.num_layers, 2, spec.num_kv_heads, cache.buffers().keys.shape[3]))
     identity = cache_identity(cache, model_fingerprint(tiny_model))
     blob = dump_row(cache, 0, identity)
 
-    with pytest.raises(SnapshotMismatch, match="_origins"):  # a cache without it refuses the snapshot
+    with pytest.raises(SnapshotMismatch, match="_future"):  # a cache without it refuses the snapshot
         load_row(gen.new_cache(1), blob, identity)
     blank = gen.new_cache(1)
     n = cache.lengths[0]
     blank.reserve(1, n)
-    blank._origins = torch.zeros(spec.num_layers, 1, spec.num_kv_heads, n, dtype=cache._origins.dtype)
+    blank._future = torch.zeros(spec.num_layers, 1, spec.num_kv_heads, n, dtype=cache._future.dtype)
     restored = load_row(blank, blob, identity)
-    assert torch.equal(restored._origins[:, 0], cache._origins[:, 0, :, :n])
+    assert torch.equal(restored._future[:, 0], cache._future[:, 0, :, :n])
+    assert torch.equal(restored._origins[:, 0, :, :n], cache._origins[:, 0, :, :n])
 
 
 def test_snapshots_of_another_model_config_or_format_are_refused(tiny_model, byte_tokenizer):
