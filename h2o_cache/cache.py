@@ -10,6 +10,10 @@ during a pass a row holds at most budget + chunk tokens.
 
 With position rolling, keys are stored before RoPE and rotated to their slot positions whenever
 they are read, so the query of slot n sees its keys at distances 1..n, never more than the budget.
+
+With `recall_budget`, evicted tokens move to the row's `Archive` instead of being dropped, and
+`recall` brings the blocks a turn's queries point at back into the row, merged in by original
+position and pinned (kept whatever their score) until the next recall.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from h2o_cache.archive import Archive
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import CacheBuffers
 from h2o_cache.eviction import accumulate_scores, keep_indices
@@ -49,6 +54,21 @@ class _Step:
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
+    queries: list[torch.Tensor] | None = None  # a probe's [B, H_q, C, D] per layer, before RoPE; None: a real pass
+    scaling: float = 1.0
+
+
+@dataclass
+class Probe:
+    """The queries of a chunk that was run through the cache without being kept (`begin(probe=True)`).
+
+    queries: [L, B, H_q, C, D] fp32 before RoPE; valid: [B, C] bool or None; n_new: real tokens per row.
+    """
+
+    queries: torch.Tensor
+    valid: torch.Tensor | None
+    n_new: list[int]
+    scaling: float
 
 
 class H2OCache:
@@ -67,13 +87,19 @@ class H2OCache:
         _scores:        [L, rows, H_kv, capacity] fp32 accumulated attention (scoring policies)
         _origins:       [L, rows, H_kv, capacity] int64 each slot's token index in its row's sequence
                         (0 for the row's first token ever fed); moves with the slot on eviction
+        _pinned:        [L, rows, H_kv, capacity] bool, recalled tokens kept until the next recall
+                        (with recall only; always False at slots >= the row's length)
+    Per row: `archives[b]`, the row's evicted tokens (with recall; None until its first eviction), and
+    `recalled[b]`, the pinned tokens per layer/head, which the row holds on top of its budget.
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
         self.spec = spec
         self.config = config
         self.policy = get_policy(config.policy)
-        self._keys = self._values = self._rotated = self._scores = self._origins = None
+        self._keys = self._values = self._rotated = self._scores = self._origins = self._pinned = None
+        self.archives: list[Archive | None] = []
+        self.recalled: list[int] = []
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -94,6 +120,8 @@ class H2OCache:
         self.lengths += [0] * n
         self.seen += [0] * n
         self.pending += [[] for _ in range(n)]
+        self.archives += [None] * n
+        self.recalled += [0] * n
 
     def extend(self, other: H2OCache) -> None:
         """Append the rows of `other` (same model and config) after this cache's rows."""
@@ -104,6 +132,8 @@ class H2OCache:
         self.lengths += other.lengths
         self.seen += other.seen
         self.pending += [list(p) for p in other.pending]
+        self.archives += [a.copy() if a is not None else None for a in other.archives]
+        self.recalled += other.recalled
 
     def pop(self, row: int) -> H2OCache:
         """Remove one row and return it as a cache of its own; the last row takes its place."""
@@ -112,23 +142,26 @@ class H2OCache:
         single._reserve(1, length)
         single._copy_row(0, self, row, length)
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
+        single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
         last = self.batch_size - 1
         if row != last:
             self._copy_row(row, self, last, self.lengths[last])
-            self.lengths[row], self.seen[row] = self.lengths[last], self.seen[last]
-            self.pending[row] = self.pending[last]
-        self.lengths.pop()
-        self.seen.pop()
-        self.pending.pop()
+            for rows in (self.lengths, self.seen, self.pending, self.archives, self.recalled):
+                rows[row] = rows[last]
+        for rows in (self.lengths, self.seen, self.pending, self.archives, self.recalled):
+            rows.pop()
         return single
 
     def _buffers(self) -> list[torch.Tensor]:
-        return [t for t in (self._keys, self._values, self._rotated, self._scores, self._origins) if t is not None]
+        buffers = (self._keys, self._values, self._rotated, self._scores, self._origins, self._pinned)
+        return [t for t in buffers if t is not None]
 
     @torch.no_grad()
     def _copy_row(self, dst: int, src: H2OCache, src_row: int, length: int) -> None:
         for mine, theirs in zip(self._buffers(), src._buffers()):
             mine[:, dst, :, :length] = theirs[:, src_row, :, :length]
+        if self._pinned is not None:
+            self._pinned[:, dst, :, length:] = False
 
     def reserve(self, rows: int, capacity: int) -> None:
         """Allocate room for `rows` rows of `capacity` tokens now, so no later pass reallocates."""
@@ -156,6 +189,8 @@ class H2OCache:
         if self.policy.needs_scores:
             self._scores = torch.zeros(shape[:4], device=spec.device, dtype=torch.float32)
         self._origins = torch.zeros(shape[:4], device=spec.device, dtype=torch.int64)
+        if self.config.recalls:
+            self._pinned = torch.zeros(shape[:4], device=spec.device, dtype=torch.bool)
         keep_rows, keep_len = self.batch_size, max(self.lengths, default=0)
         if old and keep_rows and keep_len:
             for new, previous in zip(self._buffers(), old):
@@ -164,10 +199,12 @@ class H2OCache:
 
     # ----- one forward pass -------------------------------------------------------------------
 
-    def begin(self, n_new: list[int]) -> torch.Tensor:
+    def begin(self, n_new: list[int], probe: bool = False) -> torch.Tensor:
         """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)).
 
         Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
+        probe: the pass only collects its queries for `recall` (`end_probe`); the cache keeps
+        neither its tokens nor their attention.
         """
         if len(n_new) != self.batch_size:
             raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
@@ -198,7 +235,7 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid,
+            kv_len=kv_len, mask=mask, query_valid=query_valid, queries=[] if probe else None,
         )
         return positions
 
@@ -245,7 +282,11 @@ class H2OCache:
         step = self._step
         b, h_q, c, d = query.shape
         h_kv, k = keys.shape[1], keys.shape[2]
-        if not self.policy.needs_scores:
+        if step.queries is not None:  # a probe: what the queries are matters, not what they attend to
+            cos, sin = self.spec.rope.get(step.kv_len)
+            step.queries.append(unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None]))
+            step.scaling = scaling
+        if not self.policy.needs_scores or step.queries is not None:
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
             )
@@ -266,7 +307,16 @@ class H2OCache:
     def end(self) -> None:
         """Commit the pass: count the new tokens; rows over the budget are evicted down to the target."""
         step, self._step = self._step, None
+        if step.queries is not None:
+            raise RuntimeError("a probe pass ends with end_probe()")
         self.advance(step.n_new)
+
+    def end_probe(self) -> Probe:
+        """Finish a probe pass (`begin(probe=True)`): the cache is as before it; returns its queries."""
+        step, self._step = self._step, None
+        if step is None or step.queries is None:
+            raise RuntimeError("end_probe() without begin(probe=True)")
+        return Probe(torch.stack(step.queries), step.query_valid, step.n_new, step.scaling)
 
     @torch.no_grad()
     def advance(self, n_new: list[int]) -> None:
@@ -278,15 +328,19 @@ class H2OCache:
         self.lengths = [n + m for n, m in zip(self.lengths, n_new)]
         self.seen = [n + m for n, m in zip(self.seen, n_new)]
         if self.policy.evicts:
-            over = [row for row, n in enumerate(self.lengths) if n > self.config.budget]
+            budget = self.config.budget
+            over = [row for row, n in enumerate(self.lengths) if n > budget + self.recalled[row]]
             if over:
                 self._evict(over)
 
     def _evict(self, rows: list[int]) -> None:
-        """Cut each of `rows` to the target: its sinks, its recent window and, per layer and KV head,
-        the tokens of highest priority; kept keys are re-rotated to their new slots when rolling."""
-        spec, target = self.spec, self.config.target
+        """Cut each of `rows` to the target (plus its pinned tokens): its sinks, its recent window, its
+        pinned tokens and, per layer and KV head, the tokens of highest priority; kept keys are
+        re-rotated to their new slots when rolling. With recall, the others go to the row's archive."""
+        spec, config = self.spec, self.config
         device = spec.device
+        keep = [config.target + self.recalled[row] for row in rows]
+        target = max(keep)
         longest = max(self.lengths[row] for row in rows)
         first = rows[0]
         if rows == list(range(first, first + len(rows))):  # the usual case: plain slices, no copies
@@ -297,9 +351,16 @@ class H2OCache:
         priority = self.policy.priority(scores, torch.arange(longest, device=device))
         priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
         lengths = torch.tensor([self.lengths[row] for row in rows], device=device)
+        kept = torch.tensor(keep, device=device)
+        pinned = self._pinned[:, picked, :, :longest] if self._pinned is not None else None
         index = keep_indices(  # [L, rows, H, target]
-            priority, lengths, torch.full_like(lengths, target), self.config.sinks, self.config.recent, width=target,
+            priority, lengths, kept, config.sinks, config.recent, width=target, pinned=pinned,
         )
+        if config.recalls:
+            self._archive(rows, index, lengths, keep, longest)
+            real = (torch.arange(target, device=device) < kept[:, None])[None, :, None]  # [1, rows, 1, target]
+            self._pinned[:, picked, :, :target] = pinned.gather(3, index) & real
+            self._pinned[:, picked, :, target:longest] = False
         expanded = index[..., None].expand(-1, -1, -1, -1, spec.head_dim)
         kept_keys = self._keys[:, picked, :, :longest].gather(3, expanded)
         self._keys[:, picked, :, :target] = kept_keys
@@ -313,8 +374,99 @@ class H2OCache:
             rotated = torch.empty_like(kept_keys)
             rotate_into(rotated, kept_keys, cos, sin)
             self._rotated[:, picked, :, :target] = rotated
-        for row in rows:
-            self.lengths[row] = target
+        for row, n in zip(rows, keep):
+            self.lengths[row] = n
+
+    def _archive(self, rows: list[int], index: torch.Tensor, lengths: torch.Tensor, keep: list[int], longest: int) -> None:
+        """Move what an eviction drops to each row's archive: per layer and head, the slots below the
+        row's length that `index` ([L, rows, H, width], see `_evict`) does not keep, in slot order."""
+        spec = self.spec
+        slots = torch.arange(longest, device=spec.device)
+        shape = (spec.num_layers, len(rows), spec.num_kv_heads, longest)
+        kept = torch.zeros(shape, dtype=torch.bool, device=spec.device).scatter_(3, index, True)
+        dropped = ~kept & (slots < lengths[:, None, None])
+        order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)  # dropped slots first, ascending
+        for i, (row, n) in enumerate(zip(rows, keep)):
+            gone = order[:, i, :, :self.lengths[row] - n]  # [L, H, m]
+            vectors = gone[..., None].expand(-1, -1, -1, spec.head_dim)
+            if self.archives[row] is None:
+                self.archives[row] = self.new_archive()
+            self.archives[row].append(
+                self._keys[:, row].gather(2, vectors), self._values[:, row].gather(2, vectors),
+                self._scores[:, row].gather(2, gone) if self._scores is not None else None,
+                self._origins[:, row].gather(2, gone),
+            )
+
+    def new_archive(self) -> Archive:
+        spec, config = self.spec, self.config
+        return Archive(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                       config.recall_block, config.recall_archive, pin=spec.device.type == "cuda")
+
+    # ----- recall ----------------------------------------------------------------------------
+
+    def can_recall(self) -> bool:
+        """Whether `recall` could change anything: a row has pinned tokens or a full archive block."""
+        return self.config.recalls and any(
+            n or (a is not None and a.full_blocks) for n, a in zip(self.recalled, self.archives))
+
+    @torch.no_grad()
+    def recall(self, probe: Probe) -> list[int]:
+        """Start a turn: unpin what the last recall brought back (it now competes like any other token;
+        a row over its budget is evicted), then bring back into every row that probed the archive
+        blocks its queries point at (`Archive.select`), up to `recall_budget` tokens per layer/head.
+
+        Recalled tokens take their original keys, values and scores, are merged in by original
+        position (slot order stays arrival order) and stay pinned until the next recall; every key
+        is re-rotated to its new slot. Returns the tokens recalled per row (per layer/head).
+        """
+        config = self.config
+        if probe.queries.shape[1] != self.batch_size:
+            raise ValueError(f"a probe of {probe.queries.shape[1]} rows for a cache of {self.batch_size}")
+        counts = [0] * self.batch_size
+        for row in range(self.batch_size):
+            if not probe.n_new[row]:
+                continue
+            if self.recalled[row]:
+                self._pinned[:, row] = False
+                self.recalled[row] = 0
+                if self.lengths[row] > config.budget:
+                    self._evict([row])
+            archive = self.archives[row]
+            blocks = min(config.recall_budget // config.recall_block, archive.full_blocks if archive else 0)
+            if not blocks:
+                continue
+            spec = self.spec
+            # The row's real queries ([L, H_q, c, D], padding cut off), grouped by the KV head they share.
+            queries = probe.queries[:, row, :, :probe.n_new[row]]
+            queries = queries.reshape(spec.num_layers, spec.num_kv_heads, -1, spec.head_dim)
+            chosen = archive.select(queries, probe.scaling, blocks)
+            self._merge(row, *archive.take(chosen))
+            counts[row] = blocks * config.recall_block
+        return counts
+
+    def _merge(self, row: int, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, origins: torch.Tensor) -> None:
+        """Insert recalled tokens ([L, H_kv, R, ...], host) into `row`, ordered by origin, pinned."""
+        spec = self.spec
+        device = spec.device
+        n, r = self.lengths[row], keys.shape[2]
+        self._reserve(self.batch_size, n + r)
+        order = torch.cat((self._origins[:, row, :, :n], origins.to(device)), dim=2).argsort(dim=2, stable=True)
+        vectors = order[..., None].expand(-1, -1, -1, spec.head_dim)
+        merged_keys = torch.cat((self._keys[:, row, :, :n], keys.to(device)), dim=2).gather(2, vectors)
+        self._keys[:, row, :, :n + r] = merged_keys
+        self._values[:, row, :, :n + r] = torch.cat((self._values[:, row, :, :n], values.to(device)), dim=2).gather(2, vectors)
+        if self._scores is not None:
+            self._scores[:, row, :, :n + r] = torch.cat((self._scores[:, row, :, :n], scores.to(device)), dim=2).gather(2, order)
+        self._origins[:, row, :, :n + r] = torch.cat((self._origins[:, row, :, :n], origins.to(device)), dim=2).gather(2, order)
+        flags = torch.zeros(n + r, dtype=torch.bool, device=device)
+        flags[n:] = True
+        self._pinned[:, row, :, :n + r] = flags[order]
+        cos, sin = spec.rope.get(n + r)
+        rotated = torch.empty_like(merged_keys)
+        rotate_into(rotated, merged_keys, cos, sin)
+        self._rotated[:, row, :, :n + r] = rotated
+        self.lengths[row] = n + r
+        self.recalled[row] = r
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""
@@ -326,14 +478,22 @@ class H2OCache:
         return max(self.lengths, default=0)
 
     def resident_bytes(self, row: int | None = None) -> int:
-        """Bytes held by the tokens of one row (or all rows): keys, values, rotated keys, scores, origins."""
+        """Bytes held by the tokens of one row (or all rows): keys, values, rotated keys, scores, origins
+        (and pinned flags with recall). Archived tokens are host memory: see `archived_bytes`."""
         tokens = sum(self.lengths) if row is None else self.lengths[row]
         copies = 3 if self.config.rolling else 2
         per_token = copies * self.spec.num_kv_heads * self.spec.head_dim * self.spec.dtype.itemsize
         if self.policy.needs_scores:
             per_token += self.spec.num_kv_heads * 4
         per_token += self.spec.num_kv_heads * torch.int64.itemsize  # origins
+        if self._pinned is not None:
+            per_token += self.spec.num_kv_heads
         return tokens * per_token * self.spec.num_layers
+
+    def archived_bytes(self, row: int | None = None) -> int:
+        """Host bytes of the archived (evicted, recallable) tokens of one row or of all rows."""
+        archives = self.archives if row is None else [self.archives[row]]
+        return sum(a.nbytes for a in archives if a is not None)
 
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._buffers())

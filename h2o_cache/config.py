@@ -23,6 +23,12 @@ class CacheConfig:
         original positions, so RoPE never sees a position beyond the budget.
     prefill_chunk: longest chunk of prompt fed in one forward; bounds prefill memory to
         O(chunk x (budget + chunk)) per head.
+    recall_budget: tokens per layer/KV head that a turn may bring back from the row's archive of
+        evicted tokens (`h2o_cache.archive`); 0 drops evicted tokens. Recalled tokens are held on
+        top of the budget until the next turn, so a row holds at most budget + recall_budget.
+    recall_block: tokens per archive block, the unit of recall (recall_budget is a multiple of it).
+    recall_archive: most evicted tokens per layer/KV head a row archives; the oldest go first.
+    recall_probe: the last tokens of a turn's prompt, whose queries choose what is recalled.
     """
 
     policy: str = "h2o"
@@ -33,11 +39,26 @@ class CacheConfig:
     evict_slack: int | None = None
     position_rolling: bool = True
     prefill_chunk: int = 512
+    recall_budget: int = 0
+    recall_block: int = 16
+    recall_archive: int = 16384
+    recall_probe: int = 64
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.recall_budget:
+            if not (policy.evicts and self.position_rolling):
+                raise ValueError(f"recall needs an evicting policy with position rolling, not {self.policy!r}")
+            if self.recall_block < 1 or self.recall_budget % self.recall_block:
+                raise ValueError(f"recall_budget ({self.recall_budget}) must be a multiple of recall_block ({self.recall_block})")
+            if self.recall_archive < self.recall_budget:
+                raise ValueError(f"recall_archive ({self.recall_archive}) must hold at least recall_budget ({self.recall_budget})")
+            if self.recall_probe < 1:
+                raise ValueError(f"recall_probe must be >= 1, got {self.recall_probe}")
+        if self.recall_budget < 0:
+            raise ValueError(f"recall_budget must be >= 0, got {self.recall_budget}")
         if not policy.evicts:
             return
         if self.budget < 1:
@@ -97,13 +118,18 @@ class CacheConfig:
         """Rolling only changes anything when tokens are evicted."""
         return self.position_rolling and self.evicts
 
+    @property
+    def recalls(self) -> bool:
+        return self.recall_budget > 0
+
     def describe(self) -> str:
         if not self.evicts:
             return self.policy
         rolling = "rolling" if self.rolling else "no-rolling"
+        recall = f", recall={self.recall_budget}" if self.recalls else ""
         return (
             f"{self.policy}(budget={self.budget}, heavy={self.heavy}, recent={self.recent}, "
-            f"sinks={self.sinks}, slack={self.slack}, {rolling})"
+            f"sinks={self.sinks}, slack={self.slack}, {rolling}{recall})"
         )
 
 

@@ -12,6 +12,7 @@ def keep_indices(
     sinks: int,
     recent: int,
     width: int | None = None,
+    pinned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots to keep per row and head, in arrival order.
 
@@ -20,15 +21,18 @@ def keep_indices(
     lengths: [B] int64, valid slots of each row.
     keep: [B] int64, slots each row keeps (<= lengths; == lengths keeps the row as it is).
     width: max(keep) when the caller knows it, which spares a device-to-host read.
-    Returns [..., B, H, max(keep)] int64: per row and head, its sinks, its `recent` newest slots and
-    its highest-priority other slots, ascending; a row keeping fewer than max(keep) is padded with
-    slots beyond what it keeps.
+    pinned: [..., B, H, N] bool, slots kept whatever their priority (recalled tokens), or None.
+    Returns [..., B, H, max(keep)] int64: per row and head, its sinks, its `recent` newest slots, its
+    pinned slots and its highest-priority other slots, ascending; a row keeping fewer than max(keep)
+    is padded with slots beyond what it keeps.
     """
     n = priority.shape[-1]
     slots = torch.arange(n, device=priority.device)
     length = lengths[:, None, None]
     valid = slots < length
     protected = (slots < sinks) | (slots >= length - recent) | (keep == lengths)[:, None, None]
+    if pinned is not None:
+        protected = protected | pinned
     ranked = priority.masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))
     width = int(keep.max()) if width is None else width
     best = ranked.topk(width, dim=-1).indices  # by priority, best first

@@ -13,7 +13,7 @@ import torch
 
 from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
-from h2o_cache.hf import forward, model_spec
+from h2o_cache.hf import forward, model_spec, probe
 from h2o_cache.sampling import Sample, Sampler, SamplingParams, sample
 from h2o_cache.text import StreamDecoder, byte_table
 
@@ -59,13 +59,33 @@ class Generator:
 
     # ----- model passes ------------------------------------------------------------------
 
-    def prefill(self, cache: H2OCache, tokens: list[list[int]]) -> torch.Tensor:
+    def prefill(self, cache: H2OCache, tokens: list[list[int]], recall: bool = False) -> torch.Tensor:
         """Feed tokens[b] to row b, in chunks of at most `prefill_chunk` tokens per row.
 
+        recall: tokens are a new turn's prompt; with a cache that recalls, the last `recall_probe`
+        tokens of each row first probe the cache, and the archived blocks their queries point at are
+        recalled before they are fed (`H2OCache.recall`).
         Returns fp32 logits after each row's last token [B, V]. Every row needs >= 1 token.
         """
         if any(not t for t in tokens):
             raise ValueError("every row needs at least one token to prefill")
+        if recall and cache.can_recall():
+            tail = cache.config.recall_probe
+            heads = [t[:-tail] for t in tokens]
+            if any(heads):
+                self._prefill(cache, heads)
+            tokens = [t[-tail:] for t in tokens]
+            self.recall(cache, tokens)
+        return torch.stack(self._prefill(cache, tokens))
+
+    def recall(self, cache: H2OCache, pieces: list[list[int]]) -> list[int]:
+        """Probe the cache with pieces[b] (not kept) and recall into row b what its queries point at;
+        returns the tokens recalled per row (per layer/head)."""
+        input_ids, n_new = self._padded(pieces)
+        return cache.recall(probe(self.model, cache, input_ids, n_new))
+
+    def _prefill(self, cache: H2OCache, tokens: list[list[int]]) -> list[torch.Tensor | None]:
+        """Logits after each row's last token; None for rows given no tokens."""
         chunk = cache.config.prefill_chunk
         last: list[torch.Tensor | None] = [None] * len(tokens)
         for start in range(0, max(map(len, tokens)), chunk):
@@ -74,15 +94,17 @@ class Generator:
             for b, piece in enumerate(pieces):
                 if piece:
                     last[b] = logits[b]
-        return torch.stack(last)
+        return last
 
     def step(self, cache: H2OCache, pieces: list[list[int]]) -> torch.Tensor:
         """One forward pass: row b takes pieces[b] (may be empty). Returns last-token logits [B, V]."""
+        return forward(self.model, cache, *self._padded(pieces))
+
+    def _padded(self, pieces: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         width = max(map(len, pieces))
         pad = self.tokenizer.pad_token_id or 0
         input_ids = torch.tensor([p + [pad] * (width - len(p)) for p in pieces], device=self.spec.device)
-        n_new = [len(p) for p in pieces]
-        return forward(self.model, cache, input_ids, n_new)
+        return input_ids, [len(p) for p in pieces]
 
     # ----- generation -----------------------------------------------------------------------
 
@@ -104,7 +126,7 @@ class Generator:
         samplers = [Sampler(p) for p in params]
         decoders = [self.stream_decoder(p.stop) for p in params]
         results = [Completion() for _ in prompts]
-        logits = self.prefill(cache, [pending + list(p) for pending, p in zip(cache.pending, prompts)])
+        logits = self.prefill(cache, [pending + list(p) for pending, p in zip(cache.pending, prompts)], recall=True)
         active = list(range(len(prompts)))
         while active:
             next_pieces: list[list[int]] = [[] for _ in prompts]

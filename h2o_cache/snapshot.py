@@ -4,7 +4,8 @@ A snapshot holds every buffer the cache has, sliced to the row's resident tokens
 Python list (`lengths`, `seen`, `pending`, ...). Both are found on the cache object rather than
 listed here, so a buffer or a per-row list added to `H2OCache` is saved without changing this file:
 buffers are the tensors laid out [L, rows, H_kv, capacity, ...] (the token axis is dim 3, the
-layout `H2OCache._copy_row` relies on), per-row state is every list attribute.
+layout `H2OCache._copy_row` relies on), per-row state is every list attribute. The row's archive
+of evicted tokens (recall) rides along as tensors named `archive.*`.
 
 Restoring refuses (`SnapshotMismatch`) a snapshot written by another format version, for another
 model fingerprint or cache config, or whose buffers are not the ones this cache allocates.
@@ -22,7 +23,8 @@ from safetensors.torch import save as save_tensors
 
 from h2o_cache.cache import H2OCache
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: recall (the archive, pinned flags and counts)
+ARCHIVE = "archive."
 
 
 class SnapshotMismatch(ValueError):
@@ -57,13 +59,16 @@ def _row_buffers(cache: H2OCache) -> dict[str, torch.Tensor]:
 
 
 def _row_lists(cache: H2OCache) -> dict[str, list]:
-    return {name: value for name, value in vars(cache).items() if isinstance(value, list)}
+    return {name: value for name, value in vars(cache).items() if isinstance(value, list) and name != "archives"}
 
 
 def dump_row(cache: H2OCache, row: int, identity: str, extra: dict[str, str] | None = None) -> bytes:
     """Row `row` of `cache` as safetensors bytes; `extra` strings ride along in the metadata."""
     length = cache.lengths[row]
     tensors = {name: buffer[:, row, :, :length].contiguous().cpu() for name, buffer in _row_buffers(cache).items()}
+    archive = cache.archives[row]
+    if archive is not None:
+        tensors.update({ARCHIVE + name: tensor for name, tensor in archive.state().items()})
     state = {name: values[row] for name, values in _row_lists(cache).items()}
     metadata = {"format": str(FORMAT_VERSION), "identity": identity, "state": json.dumps(state), **(extra or {})}
     return save_tensors(tensors, metadata=metadata)
@@ -85,6 +90,7 @@ def load_row(blank: H2OCache, blob: bytes, identity: str) -> H2OCache:
     if blank.batch_size != 1 or blank.lengths[0]:
         raise ValueError("load_row needs a new, empty 1-row cache")
     tensors = load_tensors(blob)
+    archived = {name[len(ARCHIVE):]: tensors.pop(name) for name in list(tensors) if name.startswith(ARCHIVE)}
     state = json.loads(metadata["state"])
     length = state["lengths"]
     blank.reserve(1, length)
@@ -101,4 +107,7 @@ def load_row(blank: H2OCache, blob: bytes, identity: str) -> H2OCache:
             target.copy_(saved)
     for name, value in state.items():
         setattr(blank, name, [value])
+    if archived:
+        blank.archives = [blank.new_archive()]
+        blank.archives[0].load_state(archived)
     return blank

@@ -1,9 +1,9 @@
 """`StaticDecoder`: the fast decode path over a batch cache preallocated at its final shape.
 
 The budget fixes every row's size, so the batch cache is allocated once at
-[layers, max_rows, H_kv, budget + 1, D] and never moves. A step feeds every row its pending token
-through `decode.decode_step`, padded to a bucket of 1, 2, 4, ... rows; per-row inputs reach the
-device in one upload. On CUDA each bucket's step is captured once as a CUDA graph and replayed
+[layers, max_rows, H_kv, budget + recall_budget + 1, D] and never moves. A step feeds every row
+its pending token through `decode.decode_step`, padded to a bucket of 1, 2, 4, ... rows; per-row
+inputs reach the device in one upload. On CUDA each bucket's step is captured once as a CUDA graph and replayed
 (as in nano-vllm); elsewhere it runs eagerly, still without per-layer Python bookkeeping.
 
 Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
@@ -46,9 +46,9 @@ class StaticDecoder:
         device = self.spec.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache = H2OCache(self.spec, config)
-        self.cache.reserve(max_rows, config.budget + 1)
+        self.cache.reserve(max_rows, config.budget + config.recall_budget + 1)  # recalled tokens sit on top
         self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
-        self._cos, self._sin = self.spec.rope.get(config.budget + 1)
+        self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
         # tokens, slots and origins; with rolling a new token's RoPE position is its slot
         self._inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
         self._staging = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")

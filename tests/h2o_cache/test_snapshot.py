@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from h2o_cache import POLICIES, CacheConfig, Generator, SamplingParams
-from h2o_cache.snapshot import SnapshotMismatch, cache_identity, dump_row, load_row, model_fingerprint, read_metadata
+from h2o_cache.snapshot import FORMAT_VERSION, SnapshotMismatch, cache_identity, dump_row, load_row, model_fingerprint, read_metadata
 from tests.conftest import tiny_llama
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -44,6 +44,25 @@ def test_a_row_round_trips_bit_exact_and_continues_with_the_same_tokens(tiny_mod
     assert got.token_ids == expected.token_ids and restored.seen == original.seen
 
 
+def test_a_row_with_an_archive_and_recalled_tokens_round_trips_and_continues_the_same(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=12, evict_slack=3, prefill_chunk=8,
+                                                            recall_budget=8, recall_block=4, recall_probe=4))
+    batch = evicted_batch(gen)
+    gen.generate([list(range(20, 30)), list(range(60, 65))], GREEDY, cache=batch)  # a turn that recalls
+    assert batch.recalled[1] == 8 and len(batch.archives[1]) > 8
+    identity = cache_identity(batch, model_fingerprint(tiny_model))
+    blob = dump_row(batch, 1, identity)
+    original = batch.pop(1)
+    restored = load_row(gen.new_cache(1), blob, identity)
+    assert restored.recalled == original.recalled and restored._pinned[:, 0].sum() == original._pinned[:, 0].sum()
+    for name, saved in original.archives[0].state().items():
+        assert torch.equal(restored.archives[0].state()[name], saved), name
+    more = [list(range(90, 110))]
+    [expected] = gen.generate(more, GREEDY, cache=original)
+    [got] = gen.generate(more, GREEDY, cache=restored)
+    assert got.token_ids == expected.token_ids and restored.recalled == original.recalled
+
+
 def test_a_buffer_the_cache_gains_is_saved_without_changing_the_snapshot_code(tiny_model, byte_tokenizer):
     """`_origins` arrived this way; `_future` stands for the next buffer someone adds to H2OCache."""
     gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=12, prefill_chunk=8))
@@ -79,7 +98,7 @@ def test_snapshots_of_another_model_config_or_format_are_refused(tiny_model, byt
         with pytest.raises(SnapshotMismatch, match="another model or cache config"):
             load_row(blank, blob, cache_identity(blank, fingerprint))
 
-    old = blob.replace(b'"format":"1"', b'"format":"0"')  # the same length: the offsets stay valid
+    old = blob.replace(f'"format":"{FORMAT_VERSION}"'.encode(), b'"format":"0"')  # the same length: the offsets stay valid
     assert old != blob
     with pytest.raises(SnapshotMismatch, match="format"):
         load_row(gen.new_cache(1), old, identity)

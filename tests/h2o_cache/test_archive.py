@@ -1,0 +1,103 @@
+"""`Archive` on its own: what goes in comes out exactly, blocks are chosen by their digests."""
+
+import pytest
+import torch
+
+from h2o_cache.archive import Archive
+
+L, H, D = 2, 3, 8
+
+
+def tokens(m: int, start: int, seed: int = 0):
+    """m tokens per head with origins start.. (the same in every head, as an eviction's would not be)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(L, H, m, D, generator=gen)
+    values = torch.randn(L, H, m, D, generator=gen)
+    scores = torch.rand(L, H, m, generator=gen)
+    origins = (torch.arange(m) + start).expand(L, H, m).clone()
+    return keys, values, scores, origins
+
+
+def archive(block=4, limit=64):
+    return Archive(L, H, D, torch.float32, block=block, limit=limit)
+
+
+def test_append_in_uneven_pieces_then_state_holds_everything_in_order():
+    a = archive()
+    pieces = [tokens(m, start, seed) for m, start, seed in [(5, 0, 1), (3, 5, 2), (9, 8, 3)]]
+    for piece in pieces:
+        a.append(*piece)
+    assert len(a) == 17 and a.full_blocks == 4
+    state = a.state()
+    for name, i in [("keys", 0), ("values", 1), ("scores", 2), ("origins", 3)]:
+        assert torch.equal(state[name], torch.cat([p[i] for p in pieces], dim=2))
+
+
+def test_take_returns_exactly_the_chosen_blocks_and_keeps_the_rest_in_order():
+    a = archive()
+    keys, values, scores, origins = tokens(18, 0)  # 4 full blocks and a 2-token tail
+    a.append(keys, values, scores, origins)
+    chosen = torch.tensor([[[0, 2], [1, 3], [2, 3]], [[0, 1], [0, 3], [1, 2]]])  # [L, H, 2]
+    got = a.take(chosen)
+    for l in range(L):
+        for h in range(H):
+            picked = [b * 4 + i for b in chosen[l, h].tolist() for i in range(4)]
+            rest = [i for i in range(18) if i not in picked]
+            for taken, full in zip(got, (keys, values, scores, origins)):
+                assert torch.equal(taken[l, h], full[l, h, picked])
+            state = a.state()
+            assert torch.equal(state["origins"][l, h], origins[l, h, rest])
+            assert torch.equal(state["keys"][l, h], keys[l, h, rest])
+    assert len(a) == 10 and a.full_blocks == 2
+
+
+def test_select_finds_the_block_holding_the_key_a_query_matches():
+    a = archive(block=4, limit=256)
+    keys, values, scores, origins = tokens(64, 0)
+    keys = keys * 0.1
+    needle = torch.randn(L, H, D, generator=torch.Generator().manual_seed(7))
+    where = torch.tensor([[37, 5, 60], [12, 49, 30]])  # a different token in every layer and head
+    for l in range(L):
+        for h in range(H):
+            keys[l, h, where[l, h]] = needle[l, h] * 3
+    a.append(keys, values, scores, origins)
+    queries = needle[:, :, None].repeat(1, 1, 6, 1)  # [L, H, Q, D]
+    chosen = a.select(queries, scaling=1.0, blocks=1)
+    assert torch.equal(chosen[..., 0], where // 4)
+
+
+def test_select_digests_follow_takes_and_appends():
+    """After a take, digests are those of the blocks that remain, so the needle is still found."""
+    a = archive(block=4, limit=256)
+    keys, values, scores, origins = tokens(32, 0)
+    keys = keys * 0.1
+    needle = torch.randn(D, generator=torch.Generator().manual_seed(3))
+    keys[:, :, 29] = needle * 3  # block 7
+    a.append(keys, values, scores, origins)
+    a.take(torch.zeros(L, H, 1, dtype=torch.int64))  # block 0 leaves: the needle is now in block 6
+    more = tokens(8, 32, seed=9)
+    a.append(more[0] * 0.1, *more[1:])
+    chosen = a.select(needle.expand(L, H, 2, D), scaling=1.0, blocks=1)
+    assert (chosen == 6).all()
+
+
+def test_limit_drops_the_oldest_whole_blocks():
+    a = archive(block=4, limit=32)
+    for start in range(0, 48, 6):
+        a.append(*tokens(6, start, seed=start))
+    assert len(a) <= 32 and len(a) + a.dropped == 48 and a.dropped % 4 == 0
+    assert a.state()["origins"][0, 0].tolist() == list(range(a.dropped, 48))
+
+
+def test_copy_is_independent():
+    a = archive()
+    a.append(*tokens(12, 0))
+    twin = a.copy()
+    a.take(torch.zeros(L, H, 1, dtype=torch.int64))
+    assert len(twin) == 12 and len(a) == 8
+    assert torch.equal(twin.state()["origins"][0, 0], torch.arange(12))
+
+
+def test_a_block_larger_than_the_limit_is_refused():
+    with pytest.raises(ValueError):
+        Archive(L, H, D, torch.float32, block=16, limit=8)
