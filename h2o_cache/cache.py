@@ -123,8 +123,12 @@ class H2OCache:
         self.archives += [None] * n
         self.recalled += [0] * n
 
-    def extend(self, other: H2OCache) -> None:
-        """Append the rows of `other` (same model and config) after this cache's rows."""
+    def extend(self, other: H2OCache, move: bool = False) -> None:
+        """Append the rows of `other` (same model and config) after this cache's rows.
+
+        move: `other` is dropped after this, so its archives (host memory, possibly large) are
+        taken rather than copied; `other` keeps none.
+        """
         start = self.batch_size
         self._reserve(start + other.batch_size, max([self._capacity, *other.lengths]))
         for i, length in enumerate(other.lengths):
@@ -132,7 +136,11 @@ class H2OCache:
         self.lengths += other.lengths
         self.seen += other.seen
         self.pending += [list(p) for p in other.pending]
-        self.archives += [a.copy() if a is not None else None for a in other.archives]
+        if move:
+            self.archives += other.archives
+            other.archives = [None] * other.batch_size
+        else:
+            self.archives += [a.copy() if a is not None else None for a in other.archives]
         self.recalled += other.recalled
 
     def pop(self, row: int) -> H2OCache:

@@ -50,7 +50,7 @@ class ModelRunner:
         else:
             batch = self.generator.new_cache(0)
             for seq in seqs:
-                batch.extend(seq.cache)
+                batch.extend(seq.cache, move=True)
             try:
                 results = self._guarded(batch, pieces, seqs)
             finally:

@@ -119,7 +119,7 @@ class Scheduler:
 
     def join(self, seq: Sequence) -> None:
         """Move a prefilled sequence's 1-row cache into the batch as its last row."""
-        self.batch.extend(seq.cache)  # first: if the copy fails, the sequence is still waiting
+        self.batch.extend(seq.cache, move=True)  # first: if the copy fails, the sequence is still waiting
         self.waiting.remove(seq)
         seq.cache = None
         seq.status = Status.RUNNING
