@@ -148,11 +148,11 @@ async def test_a_sequence_that_cannot_join_the_batch_fails_alone(make_engine, mo
     extend = batch.extend
     joins = []
 
-    def extend_failing_the_second(other):
+    def extend_failing_the_second(other, **kwargs):
         joins.append(1)
         if len(joins) == 2:
             raise RuntimeError("injected out of memory")
-        extend(other)
+        extend(other, **kwargs)
 
     monkeypatch.setattr(batch, "extend", extend_failing_the_second)
     handles = [await engine.submit(healthy), await engine.submit(ask("another"))]
