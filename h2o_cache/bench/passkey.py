@@ -9,10 +9,12 @@ that opening and costs one pass per answer token. All keys of one cell run as ro
 `--chat N ...` asks the way the product is used instead: turn 1 tells the key, then N turns each
 paste ~350 words of the filler and ask for a one-line summary (the assistant's replies are a fixed
 short acknowledgement, teacher-forced, to keep the runs cheap), and the last turn asks for the key.
+The conversation goes through the cache turn by turn, as the server feeds it: each user turn is a
+prefill that may recall (`Generator.prefill(recall=True)`), each reply is fed after it.
 A conversation longer than the model's window is reported as n/a for `full`, which cannot follow it.
 
-Caches: `policy:budget` (`full` has no budget). Prompts are fed in chunks of budget // 4, 512 for
-full, as in the other benches.
+Caches: `policy:budget`, with `+rN` for a recall budget of N tokens (`h2o:256+r128`); `full` has
+no budget. Prompts are fed in chunks of budget // 4, 512 for full, as in the other benches.
 """
 
 from __future__ import annotations
@@ -91,7 +93,23 @@ def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: floa
     return encode(before) + filler[:at], Item(encode(secret.needle) + filler[at:] + encode(after) + opening, answer)
 
 
-def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, words_per_turn: int = 350) -> Item:
+@dataclass(frozen=True)
+class Chat:
+    """A conversation as the cache is fed it: (tokens, is a user turn) pieces, then the answer to score.
+
+    User turns end with the assistant's header (the generation prompt), replies run to the next
+    turn; the opening of the final answer is the `Item`'s context, the key its target.
+    """
+
+    pieces: list[tuple[list[int], bool]]
+    item: Item
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p) for p, _ in self.pieces) + len(self.item.context)
+
+
+def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, words_per_turn: int = 350) -> Chat:
     """Turn 1 tells the secret, `turns` filler turns follow, the last turn asks for it."""
     ack = "Noted."
     messages = [{"role": "user", "content": f"Please remember this.{secret.needle.rstrip()}"},
@@ -101,25 +119,43 @@ def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, wo
         messages += [{"role": "user", "content": f"Here is a passage:\n\n{passage}\n\nSummarize it in one line."},
                      {"role": "assistant", "content": ack}]
     messages.append({"role": "user", "content": f"{secret.question} I told you at the start."})
-    rendered = gen.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    encode = lambda upto, ask: gen.tokenizer.encode(  # noqa: E731
+        gen.tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=ask),
+        add_special_tokens=False)
+    pieces, fed = [], []
+    for upto in range(1, len(messages) + 1):
+        ask = messages[upto - 1]["role"] == "user"
+        tokens = encode(upto, ask)
+        if tokens[:len(fed)] != fed:
+            raise ValueError("the chat template renders a turn differently once the conversation goes on")
+        pieces.append((tokens[len(fed):], ask))
+        fed = tokens
     opening, answer = answer_tokens(gen, secret)
-    return Item(gen.tokenizer.encode(rendered, add_special_tokens=False) + opening, answer)
+    return Chat(pieces, Item(opening, answer))
 
 
 def cache_config(spec: str) -> CacheConfig:
-    """`full` or `policy:budget`."""
+    """`full`, `policy:budget` or `policy:budget+rN` (recall budget N)."""
     policy, _, budget = spec.partition(":")
     if policy == "full":
         return CacheConfig(policy="full", prefill_chunk=FULL_CHUNK)
-    return CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4))
+    budget, _, recall = budget.partition("+r")
+    return CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4),
+                       recall_budget=int(recall or 0))
 
 
-def recalled(gen: Generator, config: CacheConfig, prefix: list[int], items: list[Item], batch: int) -> int:
-    """How many items, each continuing the common `prefix`, have answers greedy decoding reproduces."""
+def recalled(gen: Generator, config: CacheConfig, prefix: list[int], items: list[Item | Chat], batch: int) -> int:
+    """How many items, each continuing the common `prefix`, have answers greedy decoding reproduces.
+    Chats are fed piece by piece first, user turns with recall."""
     total = 0
     for start in range(0, len(items), batch):
         group = items[start:start + batch]
-        _, hits = score(gen, config, group, fork(gen, config, prefix, len(group)))
+        cache = fork(gen, config, prefix, len(group))
+        if isinstance(group[0], Chat):
+            for i in range(len(group[0].pieces)):
+                gen.prefill(cache, [chat.pieces[i][0] for chat in group], recall=group[0].pieces[i][1])
+            group = [chat.item for chat in group]
+        _, hits = score(gen, config, group, cache)
         total += sum(int(h) == len(item.target) for h, item in zip(hits.tolist(), group))
     return total
 
@@ -161,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.caches:
         config = cache_config(spec)
         for label, prefix, items in cells:
-            longest = len(prefix) + max(len(item.context) + len(item.target) for item in items)
+            longest = len(prefix) + max(_tokens(item) + len(_item(item).target) for item in items)
             if not config.evicts and window and longest > window:
                 accuracy[(spec, label)] = None  # the full cache cannot hold more than the model's window
                 continue
@@ -171,13 +207,21 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
     what = "secret city" if args.fact else "5-digit pass key"
     mode = "multi-turn chat" if args.chat is not None else "one prompt"
-    rows = [[label, len(prefix) + max(len(i.context) for i in items), *(
+    rows = [[label, len(prefix) + max(_tokens(i) for i in items), *(
         "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
         for label, prefix, items in cells]
     rows.append(["mean", "", *(_mean([accuracy[(spec, label)] for label, _, _ in cells]) for spec in args.caches)])
     print(markdown_table(["cell", "prompt tokens", *args.caches], rows,
                          f"Recall of a {what} ({mode}), {args.keys} per cell, greedy after a forced opening; "
                          f"model window {window}"))
+
+
+def _item(entry: Item | Chat) -> Item:
+    return entry.item if isinstance(entry, Chat) else entry
+
+
+def _tokens(entry: Item | Chat) -> int:
+    return entry.tokens if isinstance(entry, Chat) else len(entry.context)
 
 
 def _mean(values: list[float | None]) -> str:

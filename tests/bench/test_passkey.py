@@ -44,15 +44,19 @@ def test_the_needle_sits_at_its_depth_and_the_answer_follows_the_opening(gen):
         assert len(prefix) + len(item.context) >= len(filler) + len(needle)
 
 
-def test_chat_prompt_tells_first_and_asks_last(gen):
+def test_chat_pieces_tell_first_ask_last_and_alternate_user_turns_and_replies(gen):
     secret = secrets(1, fact=True)[0]
     words = [f"w{i}" for i in range(100)]
-    item = chat_prompt(gen, words, secret, turns=3, words_per_turn=10)
-    text = gen.tokenizer.decode(item.context)
+    chat = chat_prompt(gen, words, secret, turns=3, words_per_turn=10)
+    whole = [t for piece, _ in chat.pieces for t in piece] + chat.item.context
+    text = gen.tokenizer.decode(whole)
     assert text.index(secret.needle.strip()) < text.index("w0") < text.index("w29") < text.index(secret.question)
     assert "w30" not in text and text.count("Summarize it in one line.") == 3
+    assert [ask for _, ask in chat.pieces] == [True, False] * 4 + [True]
+    assert all(gen.tokenizer.decode(piece).endswith("assistant: ") for piece, ask in chat.pieces if ask)
+    assert chat.tokens == len(whole)
     opening, answer = answer_tokens(gen, secret)
-    assert item.context[-len(opening):] == opening and item.target == answer
+    assert chat.item.context == opening and chat.item.target == answer
 
 
 def test_recalled_counts_items_greedy_decoding_reproduces(gen):
@@ -62,3 +66,13 @@ def test_recalled_counts_items_greedy_decoding_reproduces(gen):
     hits = recalled(gen, cache_config("h2o:32"), prefix, items, batch=2)
     assert 0 <= hits <= 3
     assert cache_config("full").policy == "full" and cache_config("local:64").budget == 64
+    assert cache_config("h2o:64+r32").recall_budget == 32 and cache_config("h2o:64").recall_budget == 0
+
+
+def test_a_chat_through_a_recalling_cache_recalls_at_its_user_turns(gen, monkeypatch):
+    chats = [chat_prompt(gen, [f"w{i}" for i in range(200)], s, turns=2, words_per_turn=20) for s in secrets(2, fact=False)]
+    calls = []
+    original = Generator.recall
+    monkeypatch.setattr(Generator, "recall", lambda self, cache, pieces: calls.append(1) or original(self, cache, pieces))
+    hits = recalled(gen, cache_config("h2o:64+r32"), [], chats, batch=2)
+    assert 0 <= hits <= 2 and len(calls) >= 2  # the archive fills after the first turn
