@@ -24,3 +24,14 @@ def test_measure_fast_times_both_paths_while_rows_evict(tiny_model, byte_tokeniz
     assert decoder.cache.batch_size == 3 and max(decoder.cache.seen) > 32 + 4  # rows crossed the budget
     lines = fast_table(timings, "caption", decoder.spec.device).splitlines()
     assert len(lines) == 4 + len(timings) and all(line.endswith(("| met |", "| MISSED |")) for line in lines[4:])
+
+
+def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path, capsys):
+    from h2o_cache.bench import random_model, recall_speed
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
+                       "--turn", "8", "--batch-sizes", "1", "2", "--reps", "2", "--steps", "4"])
+    out = capsys.readouterr().out
+    assert "| decode step, batch 1 |" in out and "| decode step, batch 2 |" in out and "| turn prefill (8 tok) |" in out
+    assert "Archive after the history: 90 tokens per layer/head" in out

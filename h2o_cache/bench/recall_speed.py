@@ -1,0 +1,115 @@
+"""What recall costs, as ratios measured in one run: the decode step and a turn's prefill, with recall
+on vs off at the same budget.
+
+Every row first consumes a `--history`-token conversation (random tokens), so its archive holds
+history - budget evicted tokens per layer/head. Then:
+- decode: each row starts a turn (`--turn` tokens) and decodes on the fast path (`StaticDecoder`);
+  with recall the row holds `--recall` recalled tokens on top of its budget and every eviction also
+  archives what it drops. Windows of `--steps` steps (>= slack, so each holds an eviction) are
+  interleaved off/on for `--reps` repetitions; medians of step time and of per-window ratios.
+- turn prefill: one row's turn of `--turn` tokens, with recall (probe pass, block selection, merge)
+  vs without, each on a fresh copy of the same row, interleaved.
+Also printed: the host bytes one archived token takes, and what the archive holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder
+from h2o_cache.bench.common import add_model_args, load, markdown_table
+from h2o_cache.bench.speed import greedy_step_seconds
+
+
+def conversation_row(gen: Generator, config: CacheConfig, history: list[int]) -> H2OCache:
+    row = gen.new_cache(1, config)
+    gen.prefill(row, [history], recall=True)
+    return row
+
+
+def sync(gen: Generator) -> None:
+    if gen.spec.device.type == "cuda":
+        torch.cuda.synchronize(gen.spec.device)
+
+
+def decode_times(gen: Generator, configs: dict[str, CacheConfig], rows: dict[str, H2OCache], turn: list[int],
+                 batch: int, reps: int, steps: int) -> dict[str, list[float]]:
+    decoders = {}
+    for name, config in configs.items():
+        decoder = StaticDecoder(gen.model, config, batch)
+        for _ in range(batch):
+            row = gen.new_cache(0, config)
+            row.extend(rows[name])
+            logits = gen.prefill(row, [turn], recall=True)
+            row.pending = [[int(logits[0].argmax())]]
+            decoder.cache.extend(row, move=True)
+        decoders[name] = decoder
+        greedy_step_seconds(decoder.step, decoder.cache, steps)  # warm-up, one eviction
+    times = {name: [] for name in configs}
+    for _ in range(reps):
+        for name, decoder in decoders.items():
+            times[name].append(greedy_step_seconds(decoder.step, decoder.cache, steps))
+    return times
+
+
+def prefill_times(gen: Generator, rows: dict[str, H2OCache], turn: list[int], reps: int) -> dict[str, list[float]]:
+    times = {name: [] for name in rows}
+    for rep in range(reps + 1):
+        for name, template in rows.items():
+            row = gen.new_cache(0, template.config)
+            row.extend(template)
+            sync(gen)
+            began = time.perf_counter()
+            gen.prefill(row, [turn], recall=True)
+            sync(gen)
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - began)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--recall", type=int, default=128, help="recall budget (tokens per layer/KV head)")
+    parser.add_argument("--history", type=int, default=2048, help="tokens each row consumed before the timed turn")
+    parser.add_argument("--turn", type=int, default=64, help="tokens of the timed turn's prompt")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load(args)
+    gen = Generator(model, tokenizer)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(3, vocab, (args.history + args.turn,), generator=torch.Generator().manual_seed(0)).tolist()
+    history, turn = tokens[:args.history], tokens[args.history:]
+    configs = {"off": CacheConfig(budget=args.budget), "on": CacheConfig(budget=args.budget, recall_budget=args.recall)}
+    rows = {name: conversation_row(gen, config, history) for name, config in configs.items()}
+    archive = rows["on"].archives[0]
+    setup = (f"{args.threads} threads, {next(model.parameters()).dtype}, {gen.spec.device.type}, budget {args.budget}, "
+             f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens")
+
+    table = []
+    for batch in args.batch_sizes:
+        times = decode_times(gen, configs, rows, turn, batch, args.reps, args.steps)
+        ratio = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
+        table.append([f"decode step, batch {batch}", 1e3 * statistics.median(times["off"]),
+                      1e3 * statistics.median(times["on"]), ratio, "<= 1.1", "met" if ratio <= 1.1 else "MISSED"])
+    times = prefill_times(gen, rows, turn, args.reps)
+    ratio = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
+    table.append([f"turn prefill ({args.turn} tok)", 1e3 * statistics.median(times["off"]),
+                  1e3 * statistics.median(times["on"]), ratio, "stated", ""])
+    print(markdown_table(["", "recall off, ms", "recall on, ms", "on / off", "target", ""], table,
+                         f"Cost of recall, medians of {args.reps} interleaved repetitions: {setup}"))
+    per_token = archive.nbytes / max(len(archive), 1)
+    print(f"\nArchive after the history: {len(archive)} tokens per layer/head, {archive.nbytes / 2**20:.1f} MiB "
+          f"of host memory, {per_token / 1024:.1f} KiB per archived token (all layers and heads)")
+
+
+if __name__ == "__main__":
+    main()
