@@ -44,3 +44,16 @@ def test_edges_compare_the_first_and_last_tokens_of_a_run():
     nll = torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0])
     first, last = edges(nll, 2)
     assert first == math.exp(1.0) and last == math.exp(3.0)
+
+
+def test_recall_runs_recall_at_each_turn_and_stay_finite(tiny_model, monkeypatch):
+    from h2o_cache import H2OCache
+
+    recalls = []
+    original = H2OCache.recall
+    monkeypatch.setattr(H2OCache, "recall", lambda self, probe: recalls.append(self.seen[0]) or original(self, probe))
+    [run] = [r for r in runs([32], [], full=False, recall=16, recall_every=48) if r.config.recalls]
+    assert run.label == "h2o 32 +r16" and run.recall_every == 48
+    nll = stream_nll(tiny_model, run.config, TOKENS, run.recall_every)
+    assert nll.shape == (len(TOKENS) - 1,) and torch.isfinite(nll).all()
+    assert recalls == [48, 96, 144]  # every turn but the first (nothing archived yet)
