@@ -54,11 +54,18 @@ async def talk(engine, turns, owner=""):
 
 
 @pytest.mark.parametrize("eager", [True, False])
-async def test_a_session_recalls_exactly_as_generate_does(make_engine, eager):
+async def test_a_session_recalls_exactly_as_generate_does_and_the_stats_count_it(make_engine, eager):
     engine = recall_engine(make_engine, enforce_eager=eager)
     replies, states = await talk(engine, TURNS)
     assert all(r.finish.usage.cached_tokens for r in replies[1:])  # every later turn continues the cache
     assert any(state[1] for state, _ in states[1:])  # some turn recalled
+
+    stats = engine.stats()
+    session = engine.sessions.get("", replies[0].session_id)
+    recalled = [state[1] for state, _ in states]
+    assert stats.recalled_tokens_total == sum(recalled) and stats.recall_turns_total == sum(map(bool, recalled))
+    assert stats.archived_kv_tokens == states[-1][0][2] > 0
+    assert stats.archived_kv_bytes == session.cache.archived_bytes() > 0
 
     generator = Generator(engine.generator.model, engine.tokenizer, engine.cache_config)
     cache = generator.new_cache(1)
