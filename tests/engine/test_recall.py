@@ -23,7 +23,8 @@ def recall_engine(make_engine, **config):
 
 
 def row_state(cache) -> tuple:
-    """What a recall changes in a 1-row cache: the tokens each head holds, the pinned count, the archive."""
+    """What a turn leaves in a 1-row cache: the tokens each head holds, the recalled count, the archive
+    length, the tokens fed and the pending one."""
     n = cache.lengths[0]
     archive = cache.archives[0]
     return (cache.buffers().origins[:, 0, :, :n].tolist(), cache.recalled[0], len(archive) if archive else 0,

@@ -104,7 +104,8 @@ async def test_after_a_recall_each_head_names_its_recalled_tokens(tiny_model, by
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             session, usage = await two_turns(client)
-            view = SessionCache.model_validate((await client.get(f"/v1/sessions/{session}/cache", headers=ALPHA)).json())
+            r = await client.get(f"/v1/sessions/{session}/cache", headers=ALPHA)
+            view = SessionCache.model_validate(r.json())
     finally:
         engine.stop()
     assert view.recalled_tokens == 8 and view.archived_tokens > 0
