@@ -6,7 +6,7 @@ the decode step itself only writes each new token's origin (one small int write 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from h2o_cache.cache import H2OCache
 
@@ -18,10 +18,13 @@ class HeadKept:
     positions: ascending indices, in the row's sequence, of the tokens the head holds (slot order).
     scores: their accumulated attention (fp32 sums over queries and the head's query group); None
         for policies that do not score.
+    recalled: those of `positions` the last recall brought back from the archive (pinned until
+        the next recall), ascending.
     """
 
     positions: list[int]
     scores: list[float] | None
+    recalled: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -29,7 +32,9 @@ class KeptTokens:
     """A row's cache: every head holds `length` of the `seen` tokens fed to it.
 
     Of each head's positions, the first `sinks` are attention sinks and the last `recent` the recent
-    window, both always kept; the rest were kept for their priority (heavy hitters under `h2o`).
+    window, both always kept; the rest were kept for their priority (heavy hitters under `h2o`) or
+    recalled. `recalled` of the `length` tokens are recalled ones, held on top of the budget;
+    `archived` tokens per head wait in the row's archive (both 0 without recall).
     """
 
     seen: int
@@ -37,6 +42,8 @@ class KeptTokens:
     sinks: int
     recent: int
     heads: list[list[HeadKept]]  # [layer][kv_head]
+    recalled: int = 0
+    archived: int = 0
 
 
 def kept_tokens(cache: H2OCache, row: int) -> KeptTokens:
@@ -48,6 +55,11 @@ def kept_tokens(cache: H2OCache, row: int) -> KeptTokens:
     config = cache.config
     sinks = min(config.sinks, n) if config.evicts else 0
     recent = min(config.recent, n - sinks) if config.evicts else n
-    heads = [[HeadKept(positions, None if scores is None else scores[layer][head])
+    # [L, H_kv, n] bool, copied only when the row holds recalled tokens (CacheBuffers leaves them out).
+    pinned = cache._pinned[:, row, :, :n].tolist() if cache.recalled[row] else None  # [L, H_kv, n]
+    heads = [[HeadKept(positions, None if scores is None else scores[layer][head],
+                       [] if pinned is None else [p for p, pin in zip(positions, pinned[layer][head]) if pin])
               for head, positions in enumerate(by_head)] for layer, by_head in enumerate(origins)]
-    return KeptTokens(cache.seen[row], n, sinks, recent, heads)
+    archive = cache.archives[row]
+    return KeptTokens(cache.seen[row], n, sinks, recent, heads, cache.recalled[row],
+                      len(archive) if archive is not None else 0)

@@ -106,12 +106,19 @@ def render(requests: RequestCounter, stats: EngineStats | None) -> str:
         ("h2o_cached_tokens_total", "counter", "prompt tokens served from a session's cache instead of prefilled",
          stats.cached_tokens_total),
         ("h2o_decode_steps_total", "counter", "decode steps run", stats.decode_steps_total),
+        ("h2o_recalled_tokens_total", "counter", "evicted tokens per layer/KV head that turns brought back from "
+         "their session's archive (counted when the request ends)", stats.recalled_tokens_total),
+        ("h2o_recall_turns_total", "counter", "turns that recalled evicted tokens", stats.recall_turns_total),
         ("h2o_active_sessions", "gauge", "conversations kept, idle or busy", stats.active_sessions),
         ("h2o_running_sequences", "gauge", "sequences in the decode batch", stats.running),
         ("h2o_waiting_sequences", "gauge", "sequences queued or prefilling", stats.waiting),
         ("h2o_resident_kv_tokens", "gauge", "KV tokens held per layer/head, summed over sessions",
          stats.resident_kv_tokens),
         ("h2o_resident_kv_bytes", "gauge", "bytes of KV cache held by all sessions", stats.resident_kv_bytes),
+        ("h2o_archived_kv_tokens", "gauge", "evicted tokens archived for recall per layer/KV head, summed over "
+         "sessions", stats.archived_kv_tokens),
+        ("h2o_archived_kv_bytes", "gauge", "host memory of the archives of evicted tokens of all sessions",
+         stats.archived_kv_bytes),
     ]:
         _family(lines, name, kind, help, [("", value)])
     _family(lines, "h2o_requests_finished_total", "counter", "requests ended, by reason",

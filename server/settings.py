@@ -71,6 +71,18 @@ class ServerSettings(BaseSettings):
     position_rolling: CliImplicitFlag[bool] = Field(
         True, description="give cached keys the positions of their slots, so RoPE never sees a position "
                           "beyond the budget (--no-position-rolling keeps the original positions)")
+    recall_budget: int = Field(
+        0, ge=0, le=1_000_000, description="tokens per layer/KV head a turn may bring back from the conversation's "
+                                           "archive of evicted tokens, chosen by the turn's last queries and held "
+                                           "on top of --kv-budget until the next turn; a multiple of "
+                                           "--recall-block; 0: evicted tokens are dropped (needs an evicting "
+                                           "policy with position rolling)")
+    recall_block: int = Field(16, ge=1, le=4096, description="tokens per archived block, the unit of recall")
+    recall_archive: int = Field(
+        16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
+                                                "host memory (at least --recall-budget); the oldest go first")
+    recall_probe: int = Field(
+        64, ge=1, le=65536, description="last tokens of a turn's prompt whose queries choose what is recalled")
 
     # ----- engine -----------------------------------------------------------------------------------
     max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together in one step")
@@ -108,7 +120,9 @@ class ServerSettings(BaseSettings):
     def cache_config(self) -> CacheConfig:
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
-                           position_rolling=self.position_rolling, prefill_chunk=self.prefill_chunk)
+                           position_rolling=self.position_rolling, prefill_chunk=self.prefill_chunk,
+                           recall_budget=self.recall_budget, recall_block=self.recall_block,
+                           recall_archive=self.recall_archive, recall_probe=self.recall_probe)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

@@ -40,6 +40,7 @@ class Batcher:
         self.persistence = persistence
         self.generator = runner.generator
         self.resident = (0, 0)  # (tokens, bytes) in the caches of sequences in flight
+        self.archived = (0, 0)  # (tokens, host bytes) in their archives of evicted tokens
         self._outbox = Outbox()
         self._thread: threading.Thread | None = None
 
@@ -102,6 +103,8 @@ class Batcher:
     def _count_resident(self) -> None:
         caches = [self.scheduler.batch] + [s.cache for s in self.scheduler.waiting if s.cache is not None]
         self.resident = (sum(sum(c.lengths) for c in caches), sum(c.resident_bytes() for c in caches))
+        self.archived = (sum(len(a) for c in caches for a in c.archives if a is not None),
+                         sum(c.archived_bytes() for c in caches))
 
     # ----- model work -------------------------------------------------------------------------
 
@@ -202,7 +205,8 @@ class Batcher:
         session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
         self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
         durable = self.persistence.save_turn(session) if self.persistence is not None else None
-        self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
+        self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids),
+                                    seq.recalled)
         if reason == "cancelled":
             return
         if tail:
@@ -226,7 +230,7 @@ class Batcher:
         if seq.started:
             seq.session.reset()
         self.sessions.release(seq.session)
-        self.metrics.record_request("cancelled", seq.turn.prompt_tokens, seq.turn.cached_tokens, 0)
+        self.metrics.record_request("cancelled", seq.turn.prompt_tokens, seq.turn.cached_tokens, 0, seq.recalled)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End a sequence with GenerationFailed; its session keeps its messages but not its cache."""
@@ -237,6 +241,7 @@ class Batcher:
         finally:  # whatever state the batch is in, the request and its session are answered
             seq.session.reset()
             self.sessions.release(seq.session)
-            self.metrics.record_request("error", seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids))
+            self.metrics.record_request("error", seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids),
+                                        seq.recalled)
             failure = error if isinstance(error, GenerationFailed) else GenerationFailed(f"generation failed: {error}")
             self._emit(seq, failure)

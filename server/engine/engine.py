@@ -127,6 +127,8 @@ class Engine:
         self.sessions.expire()
         idle_tokens, idle_bytes = self.sessions.resident()
         busy_tokens, busy_bytes = self.batcher.resident
+        idle_archived, idle_archived_bytes = self.sessions.archived()
+        busy_archived, busy_archived_bytes = self.batcher.archived
         totals, step_seconds = self.metrics.snapshot()
         running = len(self.scheduler.running)
         return EngineStats(
@@ -135,6 +137,8 @@ class Engine:
             waiting=max(self.scheduler.in_flight - running, 0),
             resident_kv_tokens=idle_tokens + busy_tokens,
             resident_kv_bytes=idle_bytes + busy_bytes,
+            archived_kv_tokens=idle_archived + busy_archived,
+            archived_kv_bytes=idle_archived_bytes + busy_archived_bytes,
             decode_step_seconds=step_seconds,
             state=self.persistence.stats() if self.persistence is not None else None,
             **totals,

@@ -23,6 +23,8 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.cached_tokens = 0
+        self.recalled_tokens = 0
+        self.recall_turns = 0
         self.finishes: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -34,13 +36,17 @@ class EngineMetrics:
             self._step_sum += seconds
             self._step_count += 1
 
-    def record_request(self, finish: str, prompt_tokens: int, cached_tokens: int, generated_tokens: int) -> None:
-        """Count a request once it ends: finish is "stop" | "length" | "cancelled" | "error"."""
+    def record_request(self, finish: str, prompt_tokens: int, cached_tokens: int, generated_tokens: int,
+                       recalled_tokens: int = 0) -> None:
+        """Count a request once it ends: finish is "stop" | "length" | "cancelled" | "error";
+        recalled_tokens: what its turn's recall brought back per layer/KV head."""
         with self._lock:
             self.finishes[finish] += 1
             self.prompt_tokens += prompt_tokens
             self.cached_tokens += cached_tokens
             self.generated_tokens += generated_tokens
+            self.recalled_tokens += recalled_tokens
+            self.recall_turns += recalled_tokens > 0
 
     def snapshot(self) -> tuple[dict, Histogram]:
         """(totals, decode-step histogram) as plain values."""
@@ -54,6 +60,8 @@ class EngineMetrics:
                 prompt_tokens_total=self.prompt_tokens,
                 generated_tokens_total=self.generated_tokens,
                 cached_tokens_total=self.cached_tokens,
+                recalled_tokens_total=self.recalled_tokens,
+                recall_turns_total=self.recall_turns,
                 decode_steps_total=self._step_count,
                 requests_by_finish=dict(self.finishes),
             )

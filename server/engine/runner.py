@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -40,19 +41,21 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], chunk: int) -> list[Sample | None | Exception]:
         """Feed the next chunk (<= `chunk` tokens) of each waiting sequence to its own cache, in one pass.
 
+        Sequences whose next chunk starts their probe first recall with it, together in one probe
+        pass (`Generator.recall`); one whose recall fails feeds nothing and fails alone.
         Returns per sequence its first token once its whole prompt is in, None while more remains,
         or the error it raised. The rows share a temporary batch cache for the pass and go back to
         their own caches after it.
         """
         pieces = [seq.next_chunk(chunk) for seq in seqs]
         if len(seqs) == 1:
-            results = self._guarded(seqs[0].cache, pieces, seqs)
+            results = self._recall_and_feed(seqs[0].cache, pieces, seqs)
         else:
             batch = self.generator.new_cache(0)
             for seq in seqs:
                 batch.extend(seq.cache, move=True)
             try:
-                results = self._guarded(batch, pieces, seqs)
+                results = self._recall_and_feed(batch, pieces, seqs)
             finally:
                 for row in reversed(range(len(seqs))):  # from the last: no row moves
                     seqs[row].cache = batch.pop(row)
@@ -66,6 +69,18 @@ class ModelRunner:
                 out[i] = drawn
         return out
 
+    def _recall_and_feed(self, cache: H2OCache, pieces: list[list[int]], seqs: list[Sequence]) -> list:
+        """Recall for the rows whose probe is due, then feed every row that did not fail its piece."""
+        probes = [seq.probe if seq.recall_due else [] for seq in seqs]
+        recalled = self._guarded(lambda some: self.generator.recall(cache, some), probes)
+        for seq, count in zip(seqs, recalled):
+            if isinstance(count, int):
+                seq.recall_at, seq.recalled = None, count
+        failed = [isinstance(count, Exception) for count in recalled]
+        fed = self._guarded(lambda some: self.generator.step(cache, some),
+                            [[] if bad else piece for bad, piece in zip(failed, pieces)])
+        return [count if bad else logits for bad, count, logits in zip(failed, recalled, fed)]
+
     def decode(self, running: list[Sequence]) -> list[Sample | Exception]:
         """One step feeding every row of the batch its pending token. Returns per row its next token,
         or the error that row raised."""
@@ -76,7 +91,8 @@ class ModelRunner:
                 log.exception("fast decode step failed; retrying it on the transformers path")
             else:
                 return sample(logits, [seq.sampler for seq in running])
-        return self._sample(self._guarded(self.batch, [list(p) for p in self.batch.pending], running), running)
+        pieces = [list(p) for p in self.batch.pending]
+        return self._sample(self._guarded(lambda some: self.generator.step(self.batch, some), pieces), running)
 
     def _sample(self, logits: list, seqs: list[Sequence]) -> list[Sample | Exception]:
         """Sample every row whose logits are a tensor; rows that failed keep their error."""
@@ -88,20 +104,29 @@ class ModelRunner:
                 out[i] = token
         return out
 
-    def _guarded(self, cache: H2OCache, pieces: list[list[int]], seqs: list[Sequence]) -> list:
-        """One pass; when it raises, each row with tokens is retried alone (the others idle), so that
-        only the rows that fail lose their request. That costs B passes, but only on the failure path.
-        A failed pass leaves the cache as it was (`H2OCache.abort`)."""
+    def _guarded(self, run: Callable[[list[list[int]]], torch.Tensor | list[int]], pieces: list[list[int]]) -> list:
+        """run(pieces) -> one result per row, for every row at once; when it raises, each row with
+        tokens is retried alone (the others given none), so that only the rows that fail lose their
+        request. That costs B passes, but only on the failure path. Rows without tokens get None.
+
+        A failed pass leaves the cache as it was (`H2OCache.abort`). A failed recall may have recalled
+        into the rows before the one that raised: alone, they recall again (what the first recall
+        brought back is unpinned and competes again), which costs them nothing they held.
+        """
+        if not any(pieces):
+            return [None] * len(pieces)
         try:
-            return list(self.generator.step(cache, pieces))
+            return [result if piece else None for result, piece in zip(run(pieces), pieces)]
         except Exception as error:
-            if len(seqs) == 1:
-                return [error]
+            if sum(1 for piece in pieces if piece) == 1:
+                return [error if piece else None for piece in pieces]
         results = []
         for row, piece in enumerate(pieces):
-            alone = [p if i == row else [] for i, p in enumerate(pieces)]
+            if not piece:
+                results.append(None)
+                continue
             try:
-                results.append(self.generator.step(cache, alone)[row])
+                results.append(run([p if i == row else [] for i, p in enumerate(pieces)])[row])
             except Exception as error:
                 results.append(error)
         return results

@@ -110,7 +110,7 @@ class Scheduler:
         for seq in self.waiting:
             if len(chosen) == free:
                 break
-            size = min(chunk, len(seq.turn.prefill) - seq.prefilled)
+            size = len(seq.next_chunk(chunk))
             if chosen and size > tokens:
                 break
             chosen.append(seq)

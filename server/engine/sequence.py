@@ -28,6 +28,11 @@ class Sequence:
     counts the tokens of `turn.prefill` fed so far. `history` holds the tokens its cache was fed
     before this turn (see `token_ids`). While RUNNING, its row of the batch cache holds
     the state and `cache` is None; the row's pending token is the last one sampled.
+
+    When the cache recalls, the turn's last `recall_probe` tokens are its probe: `recall_at` is
+    where they start in `turn.prefill` until the runner has recalled with them, just before
+    feeding them (`Generator.prefill(recall=True)`, a chunk at a time); `recalled` then counts the
+    tokens per layer/KV head the recall brought back.
     """
 
     session: Session
@@ -42,6 +47,8 @@ class Sequence:
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
     output_ids: list[int] = field(default_factory=list)
+    recall_at: int | None = None  # None: no recall due (the cache does not recall, or it is done)
+    recalled: int = 0
     cancelled: bool = False  # set from the asyncio thread; read by the engine thread between steps
 
     @property
@@ -49,7 +56,20 @@ class Sequence:
         return self.prefilled == len(self.turn.prefill)
 
     def next_chunk(self, size: int) -> list[int]:
-        return self.turn.prefill[self.prefilled:self.prefilled + size]
+        """The next <= `size` tokens to feed; a chunk ends where the probe starts, so it is fed on its own."""
+        end = self.prefilled + size
+        if self.recall_at is not None and self.prefilled < self.recall_at:
+            end = min(end, self.recall_at)
+        return self.turn.prefill[self.prefilled:end]
+
+    @property
+    def recall_due(self) -> bool:
+        """Whether the next chunk is the probe's first, so the runner recalls before feeding it."""
+        return self.recall_at == self.prefilled
+
+    @property
+    def probe(self) -> list[int]:
+        return self.turn.prefill[self.recall_at:]
 
     @property
     def started(self) -> bool:
@@ -66,6 +86,8 @@ class Sequence:
         self.history = self.session.token_ids[:cache.seen[0]] if cache is not None else array("i")
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
+        if self.cache.can_recall():  # decided before any of the turn is fed, as `Generator.prefill` does
+            self.recall_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
         self.sampler = Sampler(self.params)
         self.decoder = new_decoder(self.params.stop)
 

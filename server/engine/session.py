@@ -46,6 +46,17 @@ class Session:
         cache = self.cache
         return cache.resident_bytes(0) if cache is not None else 0
 
+    @property
+    def archived_tokens(self) -> int:
+        cache = self.cache
+        archive = cache.archives[0] if cache is not None else None
+        return len(archive) if archive is not None else 0
+
+    @property
+    def archived_bytes(self) -> int:
+        cache = self.cache
+        return cache.archived_bytes(0) if cache is not None else 0
+
     def reset(self) -> None:
         """Forget the cache (after a failed or interrupted prefill); the next turn prefills it all."""
         self.cache = None

@@ -116,6 +116,12 @@ class SessionStore:
             sessions = list(self._sessions.values())
             return sum(s.resident_tokens for s in sessions), sum(s.resident_bytes for s in sessions)
 
+    def archived(self) -> tuple[int, int]:
+        """(tokens, host bytes) in the archives of evicted tokens of the caches sessions keep."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+            return sum(s.archived_tokens for s in sessions), sum(s.archived_bytes for s in sessions)
+
     def expire(self) -> None:
         with self._lock:
             self._expire()

@@ -109,9 +109,13 @@ class EngineStats:
     waiting: int  # sequences queued or prefilling
     resident_kv_tokens: int  # tokens held per layer/head, summed over every session's cache
     resident_kv_bytes: int
+    archived_kv_tokens: int  # evicted tokens archived for recall per layer/head, summed over sessions
+    archived_kv_bytes: int  # host bytes of those archives
     prompt_tokens_total: int
     generated_tokens_total: int
     cached_tokens_total: int  # prompt tokens served from sessions instead of prefilled
+    recalled_tokens_total: int  # tokens per layer/head that turns recalled from archives
+    recall_turns_total: int  # turns that recalled at least one block
     decode_steps_total: int
     decode_step_seconds: Histogram
     requests_by_finish: dict[str, int]  # "stop" | "length" | "cancelled" | "error" -> count

@@ -5,15 +5,15 @@ import { getJson } from "./api.js";
 
 const POLL_MS = 1500;
 const LAST_TOKENS = 2048; // tokens of the conversation spelled out in the token view
-const COLORS = { sink: "#7c3aed", heavy: "#c2410c", recent: "#047857" };
+const COLORS = { sink: "#7c3aed", heavy: "#c2410c", recent: "#047857", recalled: "#be185d" };
 const $ = (id) => document.getElementById(id);
 
 // Each head's positions are ascending: the first kept_sinks are sinks, the last kept_recent the
-// recent window, the rest heavy hitters.
-function kindOf(view, index, count) {
+// recent window, the rest heavy hitters or, when in the head's `recalled` set, recalled from the archive.
+function kindOf(view, index, count, recalled, position) {
   if (index < view.kept_sinks) return "sink";
   if (index >= count - view.kept_recent) return "recent";
-  return "heavy";
+  return recalled.has(position) ? "recalled" : "heavy";
 }
 
 export class Inspector {
@@ -76,11 +76,15 @@ export class Inspector {
     const heads = layers ? view.layers[0].length : 0;
     this.layer = Math.min(this.layer, Math.max(layers - 1, 0));
     this.head = Math.min(this.head, Math.max(heads - 1, 0));
+    const recalls = view.recalled_tokens > 0 || view.archived_tokens > 0;
+    const heavy = view.resident_tokens - view.kept_sinks - view.kept_recent - view.recalled_tokens;
     $("cache-summary").textContent = layers
       ? `${view.conversation_tokens} tokens in the conversation; each of ${layers} layers x ${heads} KV heads ` +
-        `holds ${view.resident_tokens} (${view.kept_sinks} sinks, ${view.kept_recent} recent, ` +
-        `${view.resident_tokens - view.kept_sinks - view.kept_recent} heavy hitters).`
+        `holds ${view.resident_tokens} (${view.kept_sinks} sinks, ${view.kept_recent} recent, ${heavy} heavy hitters` +
+        (recalls ? `, ${view.recalled_tokens} recalled); ${view.archived_tokens} evicted tokens archived for recall.`
+          : ").")
       : "The session holds no cache (its last turn was stopped before a reply).";
+    $("recalled-key").hidden = !recalls;
     fillSelect($("layer"), layers, this.layer);
     fillSelect($("head"), heads, this.head);
     this.drawTurns();
@@ -138,8 +142,9 @@ export class Inspector {
         const w = cellW - 4;
         ctx.fillStyle = "#eceef1";
         ctx.fillRect(x0, layer * rowH + 1, w, rowH - 2);
+        const recalled = new Set(head.recalled);
         head.positions.forEach((p, i) => {
-          ctx.fillStyle = COLORS[kindOf(view, i, head.positions.length)];
+          ctx.fillStyle = COLORS[kindOf(view, i, head.positions.length, recalled, p)];
           ctx.fillRect(x0 + (p / span) * w, layer * rowH + 1, Math.max(w / span, 1), rowH - 2);
         });
         if (layer === this.layer && h === this.head) {
@@ -168,10 +173,11 @@ export class Inspector {
   drawTokens() {
     const view = this.view;
     const box = $("tokens");
-    const head = view.layers.length ? view.layers[this.layer][this.head] : { positions: [], scores: null };
+    const head = view.layers.length ? view.layers[this.layer][this.head] : { positions: [], scores: null, recalled: [] };
     const kept = new Map();
+    const recalled = new Set(head.recalled);
     const top = head.scores ? Math.max(...head.scores, 1e-9) : 1;
-    head.positions.forEach((p, i) => kept.set(p, { kind: kindOf(view, i, head.positions.length),
+    head.positions.forEach((p, i) => kept.set(p, { kind: kindOf(view, i, head.positions.length, recalled, p),
       score: head.scores ? head.scores[i] : null }));
     // The newest fed token is always kept (recent window), so later ones were sampled but not fed yet.
     const newest = head.positions.length ? head.positions[head.positions.length - 1] : -1;
@@ -207,7 +213,8 @@ export class Inspector {
     const oldest = head.positions.length ? head.positions[0] : null;
     $("head-summary").textContent = view.layers.length
       ? `Layer ${this.layer}, KV head ${this.head}: holds ${head.positions.length} of ` +
-        `${view.conversation_tokens} tokens (highlighted, darker = more attention); ` +
+        `${view.conversation_tokens} tokens (highlighted, darker = more attention` +
+        (recalled.size ? `; ${recalled.size} recalled, outlined` : "") + `); ` +
         `${view.conversation_tokens - head.positions.length} evicted (grey).` +
         (oldest !== null ? ` Oldest kept: #${oldest}.` : "")
       : "";

@@ -56,10 +56,11 @@ def make_engine(tiny_model, byte_tokenizer):
     """Build and start engines; every one is stopped at the end of the test."""
     engines = []
 
-    def make(policy: str = "full", budget: int = 64, clock=None, **config) -> Engine:
+    def make(policy: str = "full", budget: int = 64, clock=None, cache: dict | None = None, **config) -> Engine:
+        """cache: more CacheConfig fields (recall); config: EngineConfig fields."""
         extra = {"clock": clock} if clock else {}
-        engine = Engine(tiny_model, byte_tokenizer, CacheConfig(policy=policy, budget=budget, prefill_chunk=16),
-                        EngineConfig(**config), render=render, **extra)
+        cache_config = CacheConfig(policy=policy, budget=budget, prefill_chunk=16, **(cache or {}))
+        engine = Engine(tiny_model, byte_tokenizer, cache_config, EngineConfig(**config), render=render, **extra)
         engine.start()
         engines.append(engine)
         return engine

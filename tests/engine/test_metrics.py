@@ -20,3 +20,12 @@ def test_requests_are_counted_by_finish_with_their_tokens():
     totals, _ = metrics.snapshot()
     assert totals["requests_by_finish"] == {"stop": 2, "cancelled": 1}
     assert (totals["prompt_tokens_total"], totals["cached_tokens_total"], totals["generated_tokens_total"]) == (16, 4, 5)
+
+
+def test_recalled_tokens_are_summed_and_turns_that_recalled_counted():
+    metrics = EngineMetrics()
+    metrics.record_request("stop", 10, 4, 3, recalled_tokens=32)
+    metrics.record_request("stop", 10, 4, 3)
+    metrics.record_request("error", 10, 4, 0, recalled_tokens=16)
+    totals, _ = metrics.snapshot()
+    assert (totals["recalled_tokens_total"], totals["recall_turns_total"]) == (48, 2)

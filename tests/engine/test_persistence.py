@@ -12,6 +12,7 @@ from server.engine.persistence import Persistence
 from server.engine.session import Session, conversation_keys
 from server.engine.statedb import StateDB
 from tests.engine.conftest import ask, collect, greedy
+from tests.engine.test_recall import RECALL
 
 TURNS = ["hello there", "what is a cache?", "tell me about heavy hitters", "and rolling?"]
 
@@ -59,6 +60,27 @@ async def test_a_restored_session_shows_the_inspector_the_same_cache_and_tokens(
     got, expected = await second.inspect("", session_id, 10_000), await control.inspect("", control_id, 10_000)
     assert got.tokens == expected.tokens and got.turns == expected.turns
     assert got.kept.heads == expected.kept.heads and got.kept.seen == expected.kept.seen
+
+
+async def test_a_session_with_an_archive_resumes_from_its_snapshot_and_recalls_as_if_never_stopped(make_engine,
+                                                                                                     tmp_path):
+    control = make_engine(policy="h2o", budget=24, cache=RECALL)
+    control_id, expected = await talk(control, TURNS)
+
+    first = restarted(make_engine, tmp_path, cache=RECALL)
+    session_id, _ = await talk(first, TURNS[:-1])
+    first.stop()
+    archive = first.sessions.idle()[0].cache.archives[0]
+    assert len(archive) > 0
+    second = restarted(make_engine, tmp_path, cache=RECALL)
+    archived = sum(t.numel() * t.element_size() for t in archive.state().values())
+    assert second.stats().state.snapshot_bytes > archived  # the archive is in the snapshot, and counted
+    _, [got] = await talk(second, TURNS[-1:], session_id)
+
+    assert got.token_ids == expected[-1].token_ids and got.finish.usage == expected[-1].finish.usage
+    assert second.stats().state.restored == {"snapshot": 1, "transcript": 0}
+    view, control_view = await second.inspect("", session_id, 10), await control.inspect("", control_id, 10)
+    assert view.kept == control_view.kept and view.kept.recalled > 0 and view.kept.archived > 0
 
 
 async def test_after_a_crash_a_session_resumes_from_its_transcript(make_engine, tmp_path):

@@ -10,6 +10,7 @@ from h2o_cache import POLICIES, CacheConfig, Generator, H2OCache, StaticDecoder,
 from h2o_cache.kept import kept_tokens
 from tests.conftest import ByteTokenizer, tiny_llama
 from tests.h2o_cache.test_cache import distinct_ids, layer0_values, resident_positions
+from tests.h2o_cache.test_recall import random_tokens, recall_config
 
 EVICTING = [name for name, policy in POLICIES.items() if policy.evicts]
 
@@ -134,3 +135,20 @@ def test_kept_tokens_gives_each_head_its_own_heavy_hitters_and_scores(peaked_mod
         assert len(head.scores) == 12 and all(s > 0 for s in head.scores)
     flat = torch.tensor([h.scores for h in heads])
     assert torch.equal(flat, cache.buffers().scores[:, 0, :, :12].reshape(4, 12))
+
+
+def test_kept_tokens_names_each_heads_recalled_tokens_and_the_archive(peaked_model):
+    gen = Generator(peaked_model, ByteTokenizer())
+    cache = gen.new_cache(1, recall_config())
+    gen.prefill(cache, [random_tokens(90, seed=2)], recall=True)
+    before = kept_tokens(cache, 0)  # evicted and archived, nothing recalled yet
+    assert before.recalled == 0 and before.archived > 0 and not any(h.recalled for heads in before.heads for h in heads)
+    gen.prefill(cache, [random_tokens(10, seed=3)], recall=True)
+    kept = kept_tokens(cache, 0)
+    assert kept.recalled == cache.recalled[0] == 16 and kept.archived == len(cache.archives[0]) > 0
+    pinned = cache._pinned[:, 0, :, :cache.lengths[0]]
+    for layer, heads in enumerate(kept.heads):
+        for h, head in enumerate(heads):
+            assert len(head.recalled) == 16 and set(head.recalled) < set(head.positions)
+            assert head.recalled == origins(cache, 0)[layer, h][pinned[layer, h]].tolist()
+            assert not set(head.recalled) & set(head.positions[-kept.recent:])  # recalled tokens are old ones

@@ -4,12 +4,24 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from server.__main__ import main
 
 
 def test_an_inconsistent_budget_exits_before_loading(capsys):
     assert main(["--kv-budget", "4", "--sink-tokens", "8"]) == 2
     assert "sink tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "full", "--recall-budget", "64"], "recall needs an evicting policy"),
+    (["--recall-budget", "24"], "must be a multiple of recall_block"),
+    (["--recall-budget", "64", "--recall-archive", "32"], "must hold at least recall_budget"),
+])
+def test_recall_settings_that_cannot_work_exit_before_loading(capsys, args, message):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_python_dash_m_server_help():

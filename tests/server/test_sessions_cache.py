@@ -1,5 +1,6 @@
 """GET /v1/sessions/{id}/cache on the real engine (tiny model): shape, ownership, origins after eviction."""
 
+import httpx
 import pytest
 
 from h2o_cache import CacheConfig
@@ -53,11 +54,12 @@ async def test_the_cache_of_a_session_after_evictions(client, engine):
     spec = engine.generator.spec
     assert len(view.layers) == spec.num_layers and {len(heads) for heads in view.layers} == {spec.num_kv_heads}
     assert view.first_position == 0 and len(view.tokens) == view.conversation_tokens
+    assert view.recalled_tokens == view.archived_tokens == 0  # recall is off
     recent = view.kept_recent
     newest = view.conversation_tokens - 2  # the last token fed; the one after it is pending
     for heads in view.layers:
         for head in heads:
-            assert len(head.positions) == len(head.scores) == view.resident_tokens
+            assert len(head.positions) == len(head.scores) == view.resident_tokens and head.recalled == []
             assert head.positions == sorted(set(head.positions)) and head.positions[0] >= 0
             assert head.positions[-recent:] == list(range(newest - recent + 1, newest + 1))
             assert all(score >= 0 for score in head.scores)
@@ -88,4 +90,27 @@ async def test_the_endpoint_is_in_the_openapi_document_with_its_response_model(c
     assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/SessionCache")
     assert {"404", "401"} <= set(operation["responses"])
     fields = spec["components"]["schemas"]["SessionCache"]["properties"]
-    assert {"live", "layers", "tokens", "kept_sinks", "kept_recent", "turns"} <= set(fields)
+    assert {"live", "layers", "tokens", "kept_sinks", "kept_recent", "turns", "recalled_tokens",
+            "archived_tokens"} <= set(fields)
+    assert "recalled" in spec["components"]["schemas"]["HeadCache"]["properties"]
+
+
+async def test_after_a_recall_each_head_names_its_recalled_tokens(tiny_model, byte_tokenizer):
+    recall = dict(recall_budget=8, recall_block=4, recall_probe=8)
+    engine = Engine(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=BUDGET, prefill_chunk=16, **recall),
+                    EngineConfig(max_batch_size=2), render=render)
+    engine.start()
+    app = create_app(ServerSettings(api_key=["alpha"]), engine)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            session, usage = await two_turns(client)
+            r = await client.get(f"/v1/sessions/{session}/cache", headers=ALPHA)
+            view = SessionCache.model_validate(r.json())
+    finally:
+        engine.stop()
+    assert view.recalled_tokens == 8 and view.archived_tokens > 0
+    assert BUDGET < view.resident_tokens == usage["kv_resident_tokens"] <= BUDGET + 8  # recalled: over the budget
+    for heads in view.layers:
+        for head in heads:
+            assert len(head.recalled) == 8 and set(head.recalled) < set(head.positions)
+            assert not set(head.recalled) & set(head.positions[-view.kept_recent:])

@@ -9,7 +9,8 @@ from server.settings import ServerSettings
 
 FLAGS = ["--host", "--port", "--model", "--device", "--dtype", "--policy", "--kv-budget", "--heavy-ratio",
          "--sink-tokens", "--no-position-rolling", "--max-batch-size", "--max-queue", "--max-sessions",
-         "--session-ttl", "--api-key", "--max-prompt-tokens", "--prefill-chunk", "--threads", "--served-model-name"]
+         "--session-ttl", "--api-key", "--max-prompt-tokens", "--prefill-chunk", "--threads", "--served-model-name",
+         "--recall-budget", "--recall-block", "--recall-archive", "--recall-probe"]
 
 
 def parse(*args: str) -> ServerSettings:
@@ -46,6 +47,13 @@ def test_flags_reach_the_cache_and_engine_configs():
         1000, 96, True, 2048)
 
 
+def test_recall_flags_reach_the_cache_config_and_recall_is_off_by_default():
+    assert not parse().cache_config().recalls
+    s = parse("--recall-budget", "64", "--recall-block", "8", "--recall-archive", "4096", "--recall-probe", "32")
+    config = s.cache_config()
+    assert (config.recall_budget, config.recall_block, config.recall_archive, config.recall_probe) == (64, 8, 4096, 32)
+
+
 def test_api_key_is_repeatable_and_environment_variables_work(monkeypatch):
     assert parse("--api-key", "a", "--api-key", "b").api_key == ["a", "b"]
     monkeypatch.setenv("H2O_KV_BUDGET", "99")
@@ -57,7 +65,8 @@ def test_api_key_is_repeatable_and_environment_variables_work(monkeypatch):
 
 
 @pytest.mark.parametrize("args", [["--port", "0"], ["--kv-budget", "1"], ["--heavy-ratio", "1.5"],
-                                  ["--policy", "lru"], ["--device", "tpu"], ["--max-batch-size", "0"]])
+                                  ["--policy", "lru"], ["--device", "tpu"], ["--max-batch-size", "0"],
+                                  ["--recall-budget", "-16"], ["--recall-block", "0"], ["--recall-probe", "0"]])
 def test_out_of_bounds_values_are_refused(args):
     with pytest.raises((ValidationError, SystemExit)):
         parse(*args)

@@ -96,6 +96,9 @@ async def test_metrics_in_prometheus_text_format(client):
     samples = {name: value for f in families.values() for name, value in f["samples"]}
     assert samples['h2o_http_requests_total{code="200"}'] == 1 and samples['h2o_http_requests_total{code="400"}'] == 1
     assert samples["h2o_resident_kv_tokens"] == 48 and samples["h2o_resident_kv_bytes"] == 4096
+    assert samples["h2o_archived_kv_tokens"] == 160 and samples["h2o_archived_kv_bytes"] == 9000
+    assert samples["h2o_recalled_tokens_total"] == 64 and samples["h2o_recall_turns_total"] == 2
+    assert families["h2o_archived_kv_bytes"]["type"] == "gauge"
     assert samples["h2o_running_sequences"] == 1 and samples["h2o_waiting_sequences"] == 2
     assert samples["h2o_active_sessions"] == 1 and samples["h2o_cached_tokens_total"] == 3
     assert samples["h2o_prompt_tokens_total"] == 10 and samples["h2o_generated_tokens_total"] == 20

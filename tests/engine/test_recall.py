@@ -1,0 +1,128 @@
+"""Recall through the engine: a turn's prefill probes and recalls exactly as `Generator.prefill(recall=True)`,
+batched rows recall independently, and a failed recall fails only its own request."""
+
+import asyncio
+import threading
+from array import array
+from contextlib import asynccontextmanager
+
+import pytest
+
+from h2o_cache import Generator
+from server.engine import GenerationFailed
+from tests.engine.conftest import ask, collect, greedy
+
+# A probe longer than a prefill chunk (16) is fed in two chunks after the recall; the third turn
+# (about 22 tokens) is all probe.
+RECALL = dict(recall_budget=16, recall_block=4, recall_probe=24, recall_archive=512)
+TURNS = ["tell me everything about caches and budgets", "and more", "ok"]
+
+
+def recall_engine(make_engine, **config):
+    return make_engine(policy="h2o", budget=32, cache=RECALL, **config)
+
+
+def row_state(cache) -> tuple:
+    """What a turn leaves in a 1-row cache: the tokens each head holds, the recalled count, the archive
+    length, the tokens fed and the pending one."""
+    n = cache.lengths[0]
+    archive = cache.archives[0]
+    return (cache.buffers().origins[:, 0, :, :n].tolist(), cache.recalled[0], len(archive) if archive else 0,
+            cache.seen[0], cache.pending[0])
+
+
+@asynccontextmanager
+async def together(engine):
+    """Hold the engine thread while requests are submitted, so that their prefills run in the same passes."""
+    gate = threading.Event()
+    engine.scheduler.call(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
+
+
+async def talk(engine, turns, owner=""):
+    """Turn after turn in one session; returns the replies and the session's state after each."""
+    replies, states, session_id = [], [], None
+    for text in turns:
+        reply = await collect(await engine.submit(ask(text, greedy(20), owner=owner, session_id=session_id)))
+        session_id = reply.session_id
+        session = engine.sessions.get(owner, session_id)
+        replies.append(reply)
+        states.append((row_state(session.cache), array("i", session.token_ids)))
+    return replies, states
+
+
+@pytest.mark.parametrize("eager", [True, False])
+async def test_a_session_recalls_exactly_as_generate_does_and_the_stats_count_it(make_engine, eager):
+    engine = recall_engine(make_engine, enforce_eager=eager)
+    replies, states = await talk(engine, TURNS)
+    assert all(r.finish.usage.cached_tokens for r in replies[1:])  # every later turn continues the cache
+    assert any(state[1] for state, _ in states[1:])  # some turn recalled
+
+    stats = engine.stats()
+    session = engine.sessions.get("", replies[0].session_id)
+    recalled = [state[1] for state, _ in states]
+    assert stats.recalled_tokens_total == sum(recalled) and stats.recall_turns_total == sum(map(bool, recalled))
+    assert stats.archived_kv_tokens == states[-1][0][2] > 0
+    assert stats.archived_kv_bytes == session.cache.archived_bytes() > 0
+
+    generator = Generator(engine.generator.model, engine.tokenizer, engine.cache_config)
+    cache = generator.new_cache(1)
+    consumed = 0
+    for reply, (state, token_ids) in zip(replies, states):
+        new = list(token_ids[consumed:len(token_ids) - len(reply.token_ids)])  # the turn's prompt tokens
+        [completion] = generator.generate([new], greedy(20), cache)
+        assert completion.token_ids == reply.token_ids
+        assert row_state(cache) == state
+        consumed = len(token_ids)
+
+
+async def test_sessions_prefilled_together_recall_as_they_do_alone(make_engine):
+    """Two turns prefilled in the same passes reach their probes at different chunks; each recalls as alone."""
+    engine = recall_engine(make_engine)
+    owners = ["ann", "bob"]
+    firsts = [await collect(await engine.submit(ask(text, greedy(20), owner=owner)))
+              for owner, text in zip(owners, ["a long first question about caches and budgets", TURNS[0]])]
+    requests = [ask(text, greedy(20), owner=owner, session_id=first.session_id)
+                for owner, text, first in zip(owners, ["short", "a longer second question, with more words"], firsts)]
+    async with together(engine):
+        handles = [await engine.submit(r) for r in requests]
+    batched = await asyncio.gather(*(collect(h) for h in handles))
+    batched_states = [row_state(engine.sessions.get(o, r.session_id).cache) for o, r in zip(owners, batched)]
+    assert any(state[1] for state in batched_states)
+
+    alone = recall_engine(make_engine)
+    for owner, text, request, reply, state in zip(owners, ["a long first question about caches and budgets", TURNS[0]],
+                                                  requests, batched, batched_states):
+        first = await collect(await alone.submit(ask(text, greedy(20), owner=owner)))
+        request.session_id = first.session_id
+        again = await collect(await alone.submit(request))
+        assert again.token_ids == reply.token_ids
+        assert row_state(alone.sessions.get(owner, first.session_id).cache) == state
+
+
+async def test_a_failed_recall_fails_only_its_own_request(make_engine, monkeypatch):
+    engine = recall_engine(make_engine)
+    good, bad = "a question is fine", "a question to FAIL"  # one length: their probes are due together
+    firsts = [await collect(await engine.submit(ask(TURNS[0], greedy(20), owner=o))) for o in ("ann", "bob")]
+    recall = engine.generator.recall
+
+    def failing_recall(cache, pieces):  # the probe is the prompt's last 24 tokens: FAIL is in the bad one
+        if any("FAIL" in engine.tokenizer.decode(piece) for piece in pieces):
+            raise RuntimeError("injected recall failure")
+        return recall(cache, pieces)
+
+    expected = recall_engine(make_engine)
+    control = await collect(await expected.submit(ask(TURNS[0], greedy(20), owner="ann")))
+    control = await collect(await expected.submit(ask(good, greedy(20), owner="ann", session_id=control.session_id)))
+
+    monkeypatch.setattr(engine.generator, "recall", failing_recall)
+    async with together(engine):
+        handles = [await engine.submit(ask(text, greedy(20), owner=o, session_id=f.session_id))
+                   for text, o, f in zip((good, bad), ("ann", "bob"), firsts)]
+    fine, failed = await asyncio.gather(*(collect(h) for h in handles), return_exceptions=True)
+    assert isinstance(failed, GenerationFailed) and "injected recall failure" in str(failed)
+    assert fine.token_ids == control.token_ids
+    assert engine.sessions.get("bob", firsts[1].session_id).cache is None  # forgotten: the next turn prefills
