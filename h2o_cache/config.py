@@ -50,7 +50,8 @@ class CacheConfig:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.recall_budget:
             if not (policy.evicts and self.position_rolling):
-                raise ValueError(f"recall needs an evicting policy with position rolling, not {self.policy!r}")
+                rolling = "" if self.position_rolling else " without position rolling"
+                raise ValueError(f"recall needs an evicting policy with position rolling, not {self.policy!r}{rolling}")
             if self.recall_block < 1 or self.recall_budget % self.recall_block:
                 raise ValueError(f"recall_budget ({self.recall_budget}) must be a multiple of recall_block ({self.recall_block})")
             if self.recall_archive < self.recall_budget:
