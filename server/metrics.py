@@ -119,6 +119,8 @@ def render(requests: RequestCounter, stats: EngineStats | None) -> str:
          "sessions", stats.archived_kv_tokens),
         ("h2o_archived_kv_bytes", "gauge", "host memory of the archives of evicted tokens of all sessions",
          stats.archived_kv_bytes),
+        ("h2o_archives_dropped_total", "counter", "archives idle sessions lost to --max-archive-bytes",
+         stats.archives_dropped_total),
     ]:
         _family(lines, name, kind, help, [("", value)])
     _family(lines, "h2o_requests_finished_total", "counter", "requests ended, by reason",

@@ -83,6 +83,10 @@ class ServerSettings(BaseSettings):
                                                 "host memory (at least --recall-budget); the oldest go first")
     recall_probe: int = Field(
         64, ge=1, le=65536, description="last tokens of a turn's prompt whose queries choose what is recalled")
+    max_archive_bytes: int = Field(
+        8 << 30, ge=0, le=1 << 50, description="most host memory the archives of idle conversations take in all; "
+                                                "beyond, the least recently used lose theirs (they go on without "
+                                                "recalling what was evicted before)")
 
     # ----- engine -----------------------------------------------------------------------------------
     max_batch_size: int = Field(16, ge=1, le=1024, description="sequences decoded together in one step")
@@ -130,6 +134,7 @@ class ServerSettings(BaseSettings):
                             max_sessions=self.max_sessions, session_ttl=self.session_ttl,
                             max_prompt_tokens=self.max_prompt_tokens, prefill_tokens=self.prefill_tokens,
                             enforce_eager=self.enforce_eager, context_window=context_window,
+                            max_archive_bytes=self.max_archive_bytes,
                             state_dir=self.state_dir or None, max_state_bytes=self.max_state_bytes)
 
     def torch_threads(self) -> int:

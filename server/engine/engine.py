@@ -36,7 +36,7 @@ class Engine:
         self.config = config
         self.render = render or template_renderer(tokenizer)
         self.generator = Generator(model, tokenizer, cache_config)
-        self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
         self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
         self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
         self.metrics = EngineMetrics()
@@ -139,6 +139,7 @@ class Engine:
             resident_kv_bytes=idle_bytes + busy_bytes,
             archived_kv_tokens=idle_archived + busy_archived,
             archived_kv_bytes=idle_archived_bytes + busy_archived_bytes,
+            archives_dropped_total=self.sessions.archives_dropped,
             decode_step_seconds=step_seconds,
             state=self.persistence.stats() if self.persistence is not None else None,
             **totals,

@@ -17,14 +17,19 @@ class SessionStore:
 
     `claim` marks a session busy for one request and `release` hands it back; busy sessions are
     never dropped. Idle ones go after `ttl` seconds or, beyond `max_sessions`, least recently used
-    first; expiry is checked whenever a request arrives or ends, when stats are read, and by the
+    first. Beyond `max_archive_bytes` of archived (evicted, recallable) KV in host memory, idle
+    sessions lose their archives, least recently used first: they go on, without recall of what
+    was evicted before; expiry is checked whenever a request arrives or ends, when stats are read, and by the
     engine thread's timer (`expire_if_due`, every `expiry_interval` s). Called from the asyncio
     thread (claim, expire) and the engine thread (release, expire_if_due), hence the lock.
     """
 
-    def __init__(self, max_sessions: int, ttl: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_sessions: int, ttl: float, clock: Callable[[], float] = time.monotonic,
+                 max_archive_bytes: int | None = None):
         self.max_sessions = max_sessions
         self.ttl = ttl
+        self.max_archive_bytes = max_archive_bytes
+        self.archives_dropped = 0
         self.clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._by_key: dict[str, set[str]] = {}
@@ -165,6 +170,21 @@ class SessionStore:
             if excess > 0 or now - session.last_used > self.ttl:
                 self._drop(session)
                 excess -= 1
+        if self.max_archive_bytes is not None:
+            self._bound_archives()
+
+    def _bound_archives(self) -> None:
+        idle = [s for s in self._sessions.values() if not s.busy]  # a busy one's cache is in use
+        excess = sum(s.archived_bytes for s in idle) - self.max_archive_bytes
+        for session in idle:  # least recently used first
+            if excess <= 0:
+                return
+            cache = session.cache
+            if cache is None or cache.archives[0] is None:
+                continue
+            excess -= cache.archived_bytes(0)
+            cache.archives[0] = None
+            self.archives_dropped += 1
 
     def _drop(self, session: Session) -> None:
         self._unindex(session)

@@ -18,6 +18,7 @@ class EngineConfig:
     max_batch_size: int = 16  # sequences decoded together in one step
     max_queue: int = 64  # requests waiting or running; more get QueueFull (429)
     max_sessions: int = 256  # live sessions kept; least recently used dropped beyond
+    max_archive_bytes: int | None = None  # host bytes of archived KV kept over idle sessions; None: no limit
     session_ttl: float = 1800.0  # seconds an idle session is kept
     max_prompt_tokens: int = 32768  # longest conversation a request may prefill
     prefill_tokens: int = 512  # prompt tokens prefilled per engine iteration (several requests), between decode steps
@@ -111,6 +112,7 @@ class EngineStats:
     resident_kv_bytes: int
     archived_kv_tokens: int  # evicted tokens archived for recall per layer/head, summed over sessions
     archived_kv_bytes: int  # host bytes of those archives
+    archives_dropped_total: int  # archives idle sessions lost to --max-archive-bytes
     prompt_tokens_total: int
     generated_tokens_total: int
     cached_tokens_total: int  # prompt tokens served from sessions instead of prefilled

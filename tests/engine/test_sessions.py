@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from server.engine.session import conversation_keys
 from server.engine.sessions import SessionStore
@@ -112,3 +113,25 @@ def test_least_recently_used_idle_sessions_go_beyond_max_sessions():
     for kept in (a, c):
         session, _ = store.claim("o", [user("x")], kept.id)
         assert session is kept
+
+
+def test_archives_beyond_the_host_memory_bound_go_least_recently_used_first(tiny_model):
+    from h2o_cache import CacheConfig, H2OCache, model_spec
+
+    config = CacheConfig(budget=16, evict_slack=4, recall_budget=8, recall_block=4)
+    store = SessionStore(max_sessions=8, ttl=100, max_archive_bytes=0)
+    sessions = []
+    for name in ("old", "new", "busy"):
+        session, _ = store.claim("me", [{"role": "user", "content": name}], None)
+        session.cache = H2OCache(model_spec(tiny_model), config, rows=1)
+        session.cache.archives[0] = session.cache.new_archive()
+        keys = torch.zeros(2, 2, 8, 16)
+        session.cache.archives[0].append(keys, keys, None, torch.zeros(2, 2, 8, dtype=torch.int64))
+        sessions.append(session)
+    one = sessions[0].archived_bytes
+    store.max_archive_bytes = one  # room for one archive
+    store.release(sessions[0], [{"role": "user", "content": "old"}, {"role": "assistant", "content": "a"}])
+    store.release(sessions[1], [{"role": "user", "content": "new"}, {"role": "assistant", "content": "b"}])
+    assert sessions[0].cache.archives == [None] and sessions[1].archived_bytes == one
+    assert sessions[2].archived_bytes == one  # busy: its request holds it
+    assert store.archives_dropped == 1 and store.archived()[1] == 2 * one

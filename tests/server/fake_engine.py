@@ -94,7 +94,8 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             active_sessions=len(self.sessions), running=1, waiting=2, resident_kv_tokens=48, resident_kv_bytes=4096,
-            archived_kv_tokens=160, archived_kv_bytes=9000, recalled_tokens_total=64, recall_turns_total=2,
+            archived_kv_tokens=160, archived_kv_bytes=9000, archives_dropped_total=1, recalled_tokens_total=64,
+            recall_turns_total=2,
             prompt_tokens_total=10, generated_tokens_total=20, cached_tokens_total=3, decode_steps_total=5,
             decode_step_seconds=Histogram((0.01, 0.1), [2, 4], sum=0.25, count=5),
             requests_by_finish={"stop": 2, "length": 1},

@@ -97,6 +97,7 @@ async def test_metrics_in_prometheus_text_format(client):
     assert samples['h2o_http_requests_total{code="200"}'] == 1 and samples['h2o_http_requests_total{code="400"}'] == 1
     assert samples["h2o_resident_kv_tokens"] == 48 and samples["h2o_resident_kv_bytes"] == 4096
     assert samples["h2o_archived_kv_tokens"] == 160 and samples["h2o_archived_kv_bytes"] == 9000
+    assert samples["h2o_archives_dropped_total"] == 1
     assert samples["h2o_recalled_tokens_total"] == 64 and samples["h2o_recall_turns_total"] == 2
     assert families["h2o_archived_kv_bytes"]["type"] == "gauge"
     assert samples["h2o_running_sequences"] == 1 and samples["h2o_waiting_sequences"] == 2
