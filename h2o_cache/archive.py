@@ -11,20 +11,26 @@ sum_d max(q_d lo_d, q_d hi_d) bounds q.k from above for every key k of the block
 one key the query would attend to strongly scores high even when its other keys are noise. The
 bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0.
 
-On a CUDA device the storage is pinned and evicted tokens are copied asynchronously; reads
-(`select`, `take`, `state`) wait for the copies first.
+Recalled blocks leave the archive at once but their storage is reclaimed lazily: they are marked
+taken and compacted away when a quarter of the storage is taken, so a turn's recall costs what it
+takes, not the archive's size. On a CUDA device the storage is pinned and evicted tokens are copied
+asynchronously; reads (`select`, `take`, `state`) wait for the copies first.
 """
 
 from __future__ import annotations
 
 import torch
 
+_FIELDS = ("keys", "values", "scores", "origins")
+
 
 class Archive:
     """Evicted tokens of one cache row, per layer and KV head, at most `limit` per head.
 
-    keys, values: [L, H_kv, n, D] in the cache's dtype; scores: [L, H_kv, n] fp32; origins:
-    [L, H_kv, n] int64. When an append would pass `limit`, the oldest blocks are dropped first (an
+    Storage: keys, values [L, H_kv, n, D] in the cache's dtype; scores [L, H_kv, n] fp32; origins
+    [L, H_kv, n] int64; per block: digests lo, hi [L, H_kv, blocks, D] fp32 (computed when first
+    needed) and a taken flag [L, H_kv, blocks] (every head has taken the same number of blocks).
+    When an append would pass `limit`, taken blocks are reclaimed, then the oldest blocks dropped (an
     eighth of the limit at a time, so that the shift is paid rarely).
     """
 
@@ -38,25 +44,29 @@ class Archive:
         self.block = block
         self.limit = limit - limit % block
         self.pin = pin
-        self.length = 0
+        self.stored = 0  # tokens per head in storage, taken blocks included
+        self.taken_blocks = 0  # per head
         self.dropped = 0  # tokens per head dropped at the limit, oldest first
         self._capacity = 0
-        self._keys = self._values = self._scores = self._origins = None
-        self._lo = self._hi = None  # [L, H_kv, blocks, D] digests of the full blocks
+        self._data: dict[str, torch.Tensor] = {}
+        self._lo = self._hi = self._taken = None
+        self._digested = 0  # blocks whose digests are computed
         self._copies: list[torch.cuda.Event] = []
 
     def __len__(self) -> int:
-        return self.length
+        """Tokens per layer/head held (not taken)."""
+        return self.stored - self.taken_blocks * self.block
 
     @property
     def full_blocks(self) -> int:
-        return self.length // self.block
+        """Full blocks per layer/head that can be recalled."""
+        return self.stored // self.block - self.taken_blocks
 
     @property
     def nbytes(self) -> int:
-        """Host bytes the archived tokens take (keys, values, scores, origins and digests)."""
+        """Host bytes of the held tokens (keys, values, scores, origins and digests)."""
         per_token = 2 * self.head_dim * self.dtype.itemsize + 4 + 8 + 2 * self.head_dim * 4 / self.block
-        return int(self.length * self.shape[0] * self.shape[1] * per_token)
+        return int(len(self) * self.shape[0] * self.shape[1] * per_token)
 
     # ----- writing ---------------------------------------------------------------------------
 
@@ -67,52 +77,79 @@ class Archive:
         m = keys.shape[2]
         if m == 0:
             return
-        if self.length + m > self.limit:
-            self._drop_oldest(self.length + m - self.limit)
-        self._grow(self.length + m)
-        end = self.length + m
-        blocking = not (self.pin and keys.is_cuda)
-        self._keys[:, :, self.length:end].copy_(keys, non_blocking=not blocking)
-        self._values[:, :, self.length:end].copy_(values, non_blocking=not blocking)
-        if scores is None:
-            self._scores[:, :, self.length:end] = 0
-        else:
-            self._scores[:, :, self.length:end].copy_(scores, non_blocking=not blocking)
-        self._origins[:, :, self.length:end].copy_(origins, non_blocking=not blocking)
-        if not blocking:
+        if self.stored + m > self.limit:
+            self._compact()
+        if self.stored + m > self.limit:
+            self._drop_oldest(self.stored + m - self.limit)
+        self._grow(self.stored + m)
+        end = self.stored + m
+        non_blocking = self.pin and keys.is_cuda
+        for name, source in zip(_FIELDS, (keys, values, scores, origins)):
+            if source is None:
+                self._data[name][:, :, self.stored:end] = 0
+            else:
+                self._data[name][:, :, self.stored:end].copy_(source, non_blocking=non_blocking)
+        if non_blocking:
             event = torch.cuda.Event()
             event.record()
             self._copies.append(event)
-        self.length = end
+        self.stored = end
 
     def _grow(self, needed: int) -> None:
         if needed <= self._capacity:
             return
         capacity = min(self.limit, max(needed, self._capacity + self._capacity // 2, 4 * self.block))
+        capacity = -(-capacity // self.block) * self.block
         self._wait()
-        old = (self._keys, self._values, self._scores, self._origins)
-        head = (*self.shape, capacity)
-        self._keys = torch.empty(*head, self.head_dim, dtype=self.dtype, pin_memory=self.pin)
-        self._values = torch.empty(*head, self.head_dim, dtype=self.dtype, pin_memory=self.pin)
-        self._scores = torch.empty(*head, dtype=torch.float32, pin_memory=self.pin)
-        self._origins = torch.empty(*head, dtype=torch.int64, pin_memory=self.pin)
-        if old[0] is not None:
-            for new, previous in zip((self._keys, self._values, self._scores, self._origins), old):
-                new[:, :, :self.length] = previous[:, :, :self.length]
+        head, d, blocks = self.shape, self.head_dim, capacity // self.block
+        new = {"keys": torch.empty(*head, capacity, d, dtype=self.dtype, pin_memory=self.pin),
+               "values": torch.empty(*head, capacity, d, dtype=self.dtype, pin_memory=self.pin),
+               "scores": torch.empty(*head, capacity, dtype=torch.float32, pin_memory=self.pin),
+               "origins": torch.empty(*head, capacity, dtype=torch.int64, pin_memory=self.pin)}
+        lo, hi = torch.empty(*head, blocks, d), torch.empty(*head, blocks, d)
+        taken = torch.zeros(*head, blocks, dtype=torch.bool)
+        if self._data:
+            for name, buffer in new.items():
+                buffer[:, :, :self.stored] = self._data[name][:, :, :self.stored]
+            n = self._taken.shape[2]
+            lo[:, :, :n], hi[:, :, :n], taken[:, :, :n] = self._lo, self._hi, self._taken
+        self._data, self._lo, self._hi, self._taken = new, lo, hi, taken
         self._capacity = capacity
 
-    def _drop_oldest(self, at_least: int) -> None:
+    def _keep_blocks(self, blocks: torch.Tensor | None, start: int) -> None:
+        """Rewrite storage as the full blocks `blocks` ([L, H_kv, b] block indices per head, in order;
+        None: blocks `start`.. of every head) followed by the partial tail block."""
         self._wait()
-        drop = max(at_least, self.limit // 8)
-        drop = min(self.length, -(-drop // self.block) * self.block)  # whole blocks
-        rest = self.length - drop
-        for buffer in (self._keys, self._values, self._scores, self._origins):
-            buffer[:, :, :rest] = buffer[:, :, drop:self.length].clone()
-        if self._lo is not None:  # digests of the blocks that stay; any not computed yet follow later
-            gone = drop // self.block
-            self._lo, self._hi = self._lo[:, :, gone:].contiguous(), self._hi[:, :, gone:].contiguous()
-        self.length = rest
-        self.dropped += drop
+        self._digests()
+        size, full = self.block, self.stored // self.block
+        tail = self.stored - full * size
+        if blocks is None:
+            blocks = torch.arange(start, full).expand(*self.shape, full - start)
+        b = blocks.shape[-1]
+        tokens = (blocks[..., None] * size + torch.arange(size)).flatten(-2)
+        for buffer in self._data.values():
+            rest = buffer[:, :, full * size:self.stored].clone()
+            buffer[:, :, :b * size] = _gather(buffer, tokens)
+            buffer[:, :, b * size:b * size + tail] = rest
+        for digest in (self._lo, self._hi, self._taken):
+            digest[:, :, :b] = _gather(digest[:, :, :full], blocks)
+        self._taken[:, :, b:] = False
+        self._digested = b
+        self.stored = b * size + tail
+
+    def _compact(self) -> None:
+        """Reclaim the storage of taken blocks."""
+        if not self.taken_blocks:
+            return
+        full = self.stored // self.block
+        kept = self._taken[:, :, :full].to(torch.int8).argsort(dim=-1, stable=True)[..., :full - self.taken_blocks]
+        self._keep_blocks(kept.sort(dim=-1).values, 0)
+        self.taken_blocks = 0
+
+    def _drop_oldest(self, at_least: int) -> None:
+        drop = min(self.stored // self.block, -(-max(at_least, self.limit // 8) // self.block))  # whole blocks
+        self._keep_blocks(None, drop)
+        self.dropped += drop * self.block
 
     def _wait(self) -> None:
         for event in self._copies:
@@ -122,61 +159,57 @@ class Archive:
     # ----- recall ----------------------------------------------------------------------------
 
     def _digests(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """lo, hi: [L, H_kv, full_blocks, D] fp32, computed for the blocks completed since last time."""
+        """lo, hi: [L, H_kv, stored full blocks, D] fp32, computed for the blocks completed since last time."""
         self._wait()
-        done = 0 if self._lo is None else self._lo.shape[2]
-        blocks = self.full_blocks
-        if done < blocks:
-            new = self._keys[:, :, done * self.block:blocks * self.block].float()
-            new = new.view(*self.shape, blocks - done, self.block, self.head_dim)
-            lo, hi = new.amin(dim=3), new.amax(dim=3)
-            self._lo = lo if self._lo is None else torch.cat((self._lo, lo), dim=2)
-            self._hi = hi if self._hi is None else torch.cat((self._hi, hi), dim=2)
-        return self._lo, self._hi
+        full = self.stored // self.block
+        if self._digested < full:
+            start, size = self._digested, self.block
+            new = self._data["keys"][:, :, start * size:full * size].float()
+            new = new.view(*self.shape, full - start, size, self.head_dim)
+            self._lo[:, :, start:full] = new.amin(dim=3)
+            self._hi[:, :, start:full] = new.amax(dim=3)
+            self._digested = full
+        return self._lo[:, :, :full], self._hi[:, :, :full]
 
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, blocks: int) -> torch.Tensor:
-        """The `blocks` full blocks each layer and KV head's queries would attend to most.
+        """The `blocks` full blocks (of those not taken) each layer and KV head's queries would
+        attend to most.
 
         queries: [L, H_kv, Q, D] before RoPE, the Q = group x chunk queries sharing each KV head
         (any device).
         Each query's upper-bound logits over the blocks are softmaxed, as attention would be, and
         summed over the queries: the attention mass the block may draw, H2O's measure.
-        Returns [L, H_kv, blocks] int64 block indices, ascending.
+        Returns [L, H_kv, blocks] int64 storage block indices, ascending.
         """
         lo, hi = self._digests()
         device = queries.device
         lo, hi = lo.to(device), hi.to(device)
+        taken = self._taken[:, :, :lo.shape[2]].to(device)
         q = queries.float()
         bound = torch.matmul(q.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(q.clamp(max=0), lo.transpose(-1, -2))
+        bound = bound.masked_fill(taken[:, :, None], float("-inf"))
         mass = (bound * scaling).softmax(dim=-1)  # [L, H_kv, Q, blocks]
         chosen = mass.sum(dim=2).topk(blocks, dim=-1).indices
-        return chosen.sort(dim=-1).values
+        return chosen.sort(dim=-1).values.cpu()
 
     @torch.no_grad()
     def take(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Remove the chosen full blocks ([L, H_kv, b], ascending per head) and return their tokens:
-        keys, values [L, H_kv, b * block, D], scores, origins [L, H_kv, b * block], on the host."""
-        self._digests()  # up to date, so that those of the remaining blocks can be kept
+        """Remove the chosen full blocks ([L, H_kv, b] storage block indices from `select`, not taken
+        before) and return their tokens: keys, values [L, H_kv, b * block, D], scores, origins
+        [L, H_kv, b * block], on the host, in block order."""
+        self._wait()
         chosen = chosen.cpu()
-        b, size = chosen.shape[-1], self.block
-        blocks = self.full_blocks
-        within = torch.arange(size)
-        taken = (chosen[..., None] * size + within).flatten(-2)  # [L, H, b * block]
-        out = [_gather(buffer, taken) for buffer in (self._keys, self._values, self._scores, self._origins)]
-
-        picked = torch.zeros(*self.shape, blocks, dtype=torch.bool).scatter_(2, chosen, True)
-        rest = (picked.to(torch.int8).argsort(dim=-1, stable=True))[..., :blocks - b]  # blocks kept, in order
-        kept = (rest[..., None] * size + within).flatten(-2)
-        tail = self.length - blocks * size
-        new_full = (blocks - b) * size
-        for buffer in (self._keys, self._values, self._scores, self._origins):
-            tail_part = buffer[:, :, blocks * size:self.length].clone()
-            buffer[:, :, :new_full] = _gather(buffer, kept)
-            buffer[:, :, new_full:new_full + tail] = tail_part
-        self._lo, self._hi = _gather(self._lo, rest), _gather(self._hi, rest)
-        self.length = new_full + tail
-        return tuple(out)
+        b = chosen.shape[-1]
+        if bool(self._taken.gather(2, chosen).any()):
+            raise ValueError("a block is taken twice")
+        tokens = (chosen[..., None] * self.block + torch.arange(self.block)).flatten(-2)
+        out = tuple(_gather(self._data[name], tokens) for name in _FIELDS)
+        self._taken.scatter_(2, chosen, True)
+        self.taken_blocks += b
+        if 4 * self.taken_blocks * self.block > self.stored:
+            self._compact()
+        return out
 
     # ----- copies and snapshots -------------------------------------------------------------
 
@@ -187,21 +220,20 @@ class Archive:
         return twin
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The archived tokens as host tensors (digests are recomputed on load)."""
+        """The held tokens as host tensors, in storage order (digests are recomputed on load)."""
         self._wait()
-        n = self.length
-        if self._keys is None:
-            empty = torch.zeros(*self.shape, 0, self.head_dim, dtype=self.dtype)
-            return {"keys": empty, "values": empty.clone(), "scores": torch.zeros(*self.shape, 0),
+        self._compact()
+        if not self._data:
+            keys = torch.zeros(*self.shape, 0, self.head_dim, dtype=self.dtype)
+            return {"keys": keys, "values": keys.clone(), "scores": torch.zeros(*self.shape, 0),
                     "origins": torch.zeros(*self.shape, 0, dtype=torch.int64)}
-        return {"keys": self._keys[:, :, :n].clone(), "values": self._values[:, :, :n].clone(),
-                "scores": self._scores[:, :, :n].clone(), "origins": self._origins[:, :, :n].clone()}
+        return {name: self._data[name][:, :, :self.stored].clone() for name in _FIELDS}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the contents with `state()` of an archive of the same geometry."""
-        self.length, self._capacity = 0, 0
-        self._keys = self._values = self._scores = self._origins = self._lo = self._hi = None
-        self.append(state["keys"], state["values"], state["scores"], state["origins"])
+        self.stored = self.taken_blocks = self._capacity = self._digested = 0
+        self._data, self._lo, self._hi, self._taken = {}, None, None, None
+        self.append(*(state[name] for name in _FIELDS))
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -67,18 +67,46 @@ def test_select_finds_the_block_holding_the_key_a_query_matches():
 
 
 def test_select_digests_follow_takes_and_appends():
-    """After a take, digests are those of the blocks that remain, so the needle is still found."""
+    """Taken blocks are never chosen again, and blocks appended later are scored too."""
     a = archive(block=4, limit=256)
     keys, values, scores, origins = tokens(32, 0)
     keys = keys * 0.1
     needle = torch.randn(D, generator=torch.Generator().manual_seed(3))
-    keys[:, :, 29] = needle * 3  # block 7
+    keys[:, :, 29] = needle * 3
     a.append(keys, values, scores, origins)
-    a.take(torch.zeros(L, H, 1, dtype=torch.int64))  # block 0 leaves: the needle is now in block 6
+    first = a.take(a.select(needle.expand(L, H, 2, D), scaling=1.0, blocks=1))
+    assert (first[3] == 29).any(dim=-1).all()
     more = tokens(8, 32, seed=9)
-    a.append(more[0] * 0.1, *more[1:])
-    chosen = a.select(needle.expand(L, H, 2, D), scaling=1.0, blocks=1)
-    assert (chosen == 6).all()
+    more_keys = more[0] * 0.1
+    more_keys[:, :, 5] = needle * 2  # origin 37: the best block left
+    a.append(more_keys, *more[1:])
+    second = a.take(a.select(needle.expand(L, H, 2, D), scaling=1.0, blocks=1))
+    assert (second[3] == 37).any(dim=-1).all() and len(a) == 32
+
+
+def test_many_takes_and_appends_keep_every_token_exactly_once():
+    a = archive(block=4, limit=64)
+    everything = {}
+    gen = torch.Generator().manual_seed(0)
+    start = 0
+    for round in range(30):
+        m = int(torch.randint(1, 12, (1,), generator=gen))
+        piece = tokens(m, start, seed=round)
+        a.append(*piece)
+        for i in range(m):
+            everything[start + i] = piece[0][0, 0, i]
+        start += m
+        if a.full_blocks and round % 2:
+            got = a.take(a.select(torch.randn(L, H, 3, D, generator=gen), 1.0, 1))
+            for origin, key in zip(got[3][0, 0].tolist(), got[0][0, 0]):
+                assert torch.equal(everything.pop(origin), key)
+    held = a.state()
+    n = held["origins"].shape[2]
+    assert len(a) == n <= 64 and a.dropped > 0
+    # The limit dropped the oldest tokens held (origins grow with appends): what is left is the newest n.
+    assert held["origins"][0, 0].tolist() == sorted(everything)[-n:]
+    for origin, key in zip(held["origins"][0, 0].tolist(), held["keys"][0, 0]):
+        assert torch.equal(everything[origin], key)
 
 
 def test_limit_drops_the_oldest_whole_blocks():
