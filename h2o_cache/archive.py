@@ -5,7 +5,10 @@ RoPE, values, accumulated scores and original positions (origins). Every evictio
 number of tokens from every layer and head, so all of them hold the same count and the archive is
 a few dense tensors [L, H_kv, n, ...] in eviction order.
 
-Consecutive runs of `block` entries form blocks, the unit of recall. Each full block has a digest,
+Consecutive runs of `block` entries form blocks, the unit of recall. Before blocks are formed, the
+tokens archived since the last recall are sorted by original position, per head: eviction drops a
+phrase's tokens a few at a time, mixed with others, and sorting gathers them back into the same
+blocks, so that a block is mostly a contiguous run of the conversation. Each full block has a digest,
 the channel-wise min and max of its keys (Quest, arXiv 2406.10774): for a query q,
 sum_d max(q_d lo_d, q_d hi_d) bounds q.k from above for every key k of the block, so a block holding
 one key the query would attend to strongly scores high even when its other keys are noise. The
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 
 _FIELDS = ("keys", "values", "scores", "origins")
+SPREAD = 8  # neighbours on each side whose votes a position shares
 
 
 class Archive:
@@ -159,11 +163,16 @@ class Archive:
     # ----- recall ----------------------------------------------------------------------------
 
     def _digests(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """lo, hi: [L, H_kv, stored full blocks, D] fp32, computed for the blocks completed since last time."""
+        """lo, hi: [L, H_kv, stored full blocks, D] fp32, computed for the blocks completed since last
+        time, once the tokens not yet in a digested block are sorted by origin."""
         self._wait()
         full = self.stored // self.block
         if self._digested < full:
             start, size = self._digested, self.block
+            fresh = slice(start * size, self.stored)
+            order = self._data["origins"][:, :, fresh].argsort(dim=-1)
+            for buffer in self._data.values():
+                buffer[:, :, fresh] = _gather(buffer[:, :, fresh], order)
             new = self._data["keys"][:, :, start * size:full * size].float()
             new = new.view(*self.shape, full - start, size, self.head_dim)
             self._lo[:, :, start:full] = new.amin(dim=3)
@@ -179,7 +188,10 @@ class Archive:
         queries: [L, H_kv, Q, D] before RoPE, the Q = group x chunk queries sharing each KV head
         (any device).
         Each query's upper-bound logits over the blocks are softmaxed, as attention would be, and
-        summed over the queries: the attention mass the block may draw, H2O's measure.
+        summed over the queries: the attention mass the block may draw, H2O's measure. Heads then
+        pool their masses by original position (a head's mass goes to the positions its block
+        holds), and each head recalls its blocks whose positions drew the most mass from all heads:
+        a head that never attends to a fact still gets it back when the heads that do vote for it.
         Returns [L, H_kv, blocks] int64 storage block indices, ascending.
         """
         lo, hi = self._digests()
@@ -189,9 +201,19 @@ class Archive:
         q = queries.float()
         bound = torch.matmul(q.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(q.clamp(max=0), lo.transpose(-1, -2))
         bound = bound.masked_fill(taken[:, :, None], float("-inf"))
-        mass = (bound * scaling).softmax(dim=-1)  # [L, H_kv, Q, blocks]
-        chosen = mass.sum(dim=2).topk(blocks, dim=-1).indices
-        return chosen.sort(dim=-1).values.cpu()
+        mass = (bound * scaling).softmax(dim=-1).sum(dim=2).cpu()  # [L, H_kv, blocks]
+        # Every head votes for the conversation's positions its blocks hold; a head then recalls the
+        # blocks holding the positions all heads voted for most.
+        full = mass.shape[-1]
+        origins = self._data["origins"][:, :, :full * self.block]
+        votes = torch.zeros(int(origins.max()) + 1).index_add_(
+            0, origins.flatten(), mass[..., None].expand(-1, -1, -1, self.block).flatten() / self.block)
+        # A phrase is relevant as a whole: a position also scores the mean vote of its neighbours.
+        nearby = torch.nn.functional.avg_pool1d(votes[None, None], 2 * SPREAD + 1, stride=1, padding=SPREAD)[0, 0]
+        score = (votes + nearby)[origins].view(*self.shape, full, self.block).sum(dim=-1)
+        score = score.masked_fill(self._taken[:, :, :full], float("-inf"))
+        chosen = score.topk(blocks, dim=-1).indices
+        return chosen.sort(dim=-1).values
 
     @torch.no_grad()
     def take(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

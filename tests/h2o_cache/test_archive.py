@@ -51,19 +51,32 @@ def test_take_returns_exactly_the_chosen_blocks_and_keeps_the_rest_in_order():
     assert len(a) == 10 and a.full_blocks == 2
 
 
-def test_select_finds_the_block_holding_the_key_a_query_matches():
+def test_select_finds_the_block_holding_the_key_a_query_matches_and_every_head_follows_the_vote():
+    """The needle (origin 37, block 9) sits in two heads only; all heads recall the positions the
+    heads that match it voted for, since every head here holds origin 37 in its block 9."""
     a = archive(block=4, limit=256)
     keys, values, scores, origins = tokens(64, 0)
     keys = keys * 0.1
-    needle = torch.randn(L, H, D, generator=torch.Generator().manual_seed(7))
-    where = torch.tensor([[37, 5, 60], [12, 49, 30]])  # a different token in every layer and head
-    for l in range(L):
-        for h in range(H):
-            keys[l, h, where[l, h]] = needle[l, h] * 3
+    needle = torch.randn(D, generator=torch.Generator().manual_seed(7))
+    keys[0, 1, 37] = keys[1, 2, 37] = needle * 3
     a.append(keys, values, scores, origins)
-    queries = needle[:, :, None].repeat(1, 1, 6, 1)  # [L, H, Q, D]
-    chosen = a.select(queries, scaling=1.0, blocks=1)
-    assert torch.equal(chosen[..., 0], where // 4)
+    chosen = a.select(needle.expand(L, H, 6, D), scaling=1.0, blocks=1)
+    assert (chosen[..., 0] == 9).all()
+
+
+def test_a_head_recalls_its_own_tokens_of_the_voted_positions():
+    """Heads evict different tokens: each recalls the block of its own archive holding the voted origin."""
+    a = archive(block=4, limit=256)
+    keys, values, scores, _ = tokens(32, 0)
+    keys = keys * 0.1
+    origins = torch.stack([torch.randperm(32, generator=torch.Generator().manual_seed(i)) for i in range(L * H)])
+    origins = origins.view(L, H, 32)
+    needle = torch.randn(D, generator=torch.Generator().manual_seed(5))
+    at = (origins == 20).nonzero()  # where origin 20 sits in each head
+    keys[0, 0, at[0, 2]] = needle * 3  # one head matches the needle
+    a.append(keys, values, scores, origins)
+    taken = a.take(a.select(needle.expand(L, H, 4, D), scaling=1.0, blocks=1))
+    assert (taken[3] == 20).any(dim=-1).all()
 
 
 def test_select_digests_follow_takes_and_appends():
