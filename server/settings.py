@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, CliImplicitFlag, NoDecode, SettingsC
 from h2o_cache import CacheConfig
 from server.engine.types import EngineConfig
 
+DEFAULT_RECALL = 128  # measured: a pass key told in turn 1 is recalled after 10 turns 9/10 (h2o alone 0/10)
+
 
 def default_state_dir() -> str:
     """$XDG_DATA_HOME/h2o-chat, else ~/.local/share/h2o-chat (the XDG base directory rule)."""
@@ -71,12 +73,12 @@ class ServerSettings(BaseSettings):
     position_rolling: CliImplicitFlag[bool] = Field(
         True, description="give cached keys the positions of their slots, so RoPE never sees a position "
                           "beyond the budget (--no-position-rolling keeps the original positions)")
-    recall_budget: int = Field(
-        0, ge=0, le=1_000_000, description="tokens per layer/KV head a turn may bring back from the conversation's "
-                                           "archive of evicted tokens, chosen by the turn's last queries and held "
-                                           "on top of --kv-budget until the next turn; a multiple of "
-                                           "--recall-block; 0: evicted tokens are dropped (needs an evicting "
-                                           "policy with position rolling)")
+    recall_budget: int | None = Field(
+        None, ge=0, le=1_000_000, description="tokens per layer/KV head a turn may bring back from the conversation's "
+                                              "archive of evicted tokens, chosen by the turn's last queries and held "
+                                              "on top of --kv-budget until the next turn; a multiple of "
+                                              "--recall-block; 0: evicted tokens are dropped; unset: 128 with an "
+                                              "evicting policy and position rolling, else 0")
     recall_block: int = Field(16, ge=1, le=4096, description="tokens per archived block, the unit of recall")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
@@ -121,11 +123,18 @@ class ServerSettings(BaseSettings):
         """H2O_API_KEY=k1,k2 (plain text rather than JSON, so `docker run -e H2O_API_KEY=...` just works)."""
         return [k.strip() for k in keys.split(",") if k.strip()] if isinstance(keys, str) else keys
 
+    @property
+    def recall(self) -> int:
+        """--recall-budget, or its default: on where recall applies (an evicting policy with rolling)."""
+        if self.recall_budget is not None:
+            return self.recall_budget
+        return DEFAULT_RECALL if self.policy != "full" and self.position_rolling else 0
+
     def cache_config(self) -> CacheConfig:
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
                            position_rolling=self.position_rolling, prefill_chunk=self.prefill_chunk,
-                           recall_budget=self.recall_budget, recall_block=self.recall_block,
+                           recall_budget=self.recall, recall_block=self.recall_block,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:

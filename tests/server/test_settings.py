@@ -47,8 +47,13 @@ def test_flags_reach_the_cache_and_engine_configs():
         1000, 96, True, 2048)
 
 
-def test_recall_flags_reach_the_cache_config_and_recall_is_off_by_default():
-    assert not parse().cache_config().recalls
+def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_it_applies():
+    from server.settings import DEFAULT_RECALL
+
+    assert parse().cache_config().recall_budget == DEFAULT_RECALL
+    assert parse("--policy", "full").cache_config().recall_budget == 0
+    assert parse("--no-position-rolling").cache_config().recall_budget == 0
+    assert parse("--recall-budget", "0").cache_config().recall_budget == 0
     s = parse("--recall-budget", "64", "--recall-block", "8", "--recall-archive", "4096", "--recall-probe", "32")
     config = s.cache_config()
     assert (config.recall_budget, config.recall_block, config.recall_archive, config.recall_probe) == (64, 8, 4096, 32)
