@@ -49,4 +49,4 @@ def test_the_static_files_ship_in_the_package():
 async def test_the_page_tells_what_a_small_budget_forgets_and_the_setting_that_helps(client):
     page = (await client.get("/")).text
     note = re.search(r'<p id="budget-note"[^>]*>(.*?)</p>', page, re.S).group(1)
-    assert "--policy full" in note and "RESULTS.md" in note
+    assert "--policy full" in note and "--recall-budget" in note and "RESULTS.md" in note
