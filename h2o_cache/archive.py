@@ -123,8 +123,7 @@ class Archive:
     def _keep_blocks(self, blocks: torch.Tensor | None, start: int) -> None:
         """Rewrite storage as the full blocks `blocks` ([L, H_kv, b] block indices per head, in order;
         None: blocks `start`.. of every head) followed by the partial tail block."""
-        self._wait()
-        self._digests()
+        self._digests()  # waits for pending copies; every full block has its digest to move
         size, full = self.block, self.stored // self.block
         tail = self.stored - full * size
         if blocks is None:

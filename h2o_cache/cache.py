@@ -177,7 +177,7 @@ class H2OCache:
 
     def buffers(self) -> CacheBuffers:
         """The storage, for the fast path; reallocated only when a pass needs more rows or tokens."""
-        return CacheBuffers(self._keys, self._values, self._rotated, self._scores, self._origins)
+        return CacheBuffers(self._keys, self._values, self._rotated, self._scores, self._origins, self._pinned)
 
     @torch.no_grad()
     def _reserve(self, rows: int, capacity: int) -> None:
@@ -498,8 +498,13 @@ class H2OCache:
             per_token += self.spec.num_kv_heads
         return tokens * per_token * self.spec.num_layers
 
+    def archived_tokens(self, row: int | None = None) -> int:
+        """Archived (evicted, recallable) tokens per layer/head of one row, or summed over all rows."""
+        archives = self.archives if row is None else [self.archives[row]]
+        return sum(len(a) for a in archives if a is not None)
+
     def archived_bytes(self, row: int | None = None) -> int:
-        """Host bytes of the archived (evicted, recallable) tokens of one row or of all rows."""
+        """Host bytes of the archived tokens of one row or of all rows."""
         archives = self.archives if row is None else [self.archives[row]]
         return sum(a.nbytes for a in archives if a is not None)
 

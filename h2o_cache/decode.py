@@ -62,7 +62,7 @@ class CacheBuffers:
 
     keys: before RoPE when rolling, else rotated to their absolute positions; rotated: None unless
     rolling; scores: None unless the policy scores; origins: int64, each slot's token index in its
-    row's sequence.
+    row's sequence; pinned: bool, recalled tokens (None without recall; the step never reads it).
     """
 
     keys: torch.Tensor
@@ -70,6 +70,7 @@ class CacheBuffers:
     rotated: torch.Tensor | None
     scores: torch.Tensor | None
     origins: torch.Tensor
+    pinned: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

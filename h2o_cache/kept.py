@@ -55,11 +55,9 @@ def kept_tokens(cache: H2OCache, row: int) -> KeptTokens:
     config = cache.config
     sinks = min(config.sinks, n) if config.evicts else 0
     recent = min(config.recent, n - sinks) if config.evicts else n
-    # [L, H_kv, n] bool, copied only when the row holds recalled tokens (CacheBuffers leaves them out).
-    pinned = cache._pinned[:, row, :, :n].tolist() if cache.recalled[row] else None  # [L, H_kv, n]
+    # [L, H_kv, n] bool, copied only when the row holds recalled tokens.
+    pinned = buffers.pinned[:, row, :, :n].tolist() if cache.recalled[row] else None
     heads = [[HeadKept(positions, None if scores is None else scores[layer][head],
                        [] if pinned is None else [p for p, pin in zip(positions, pinned[layer][head]) if pin])
               for head, positions in enumerate(by_head)] for layer, by_head in enumerate(origins)]
-    archive = cache.archives[row]
-    return KeptTokens(cache.seen[row], n, sinks, recent, heads, cache.recalled[row],
-                      len(archive) if archive is not None else 0)
+    return KeptTokens(cache.seen[row], n, sinks, recent, heads, cache.recalled[row], cache.archived_tokens(row))

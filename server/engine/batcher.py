@@ -103,8 +103,7 @@ class Batcher:
     def _count_resident(self) -> None:
         caches = [self.scheduler.batch] + [s.cache for s in self.scheduler.waiting if s.cache is not None]
         self.resident = (sum(sum(c.lengths) for c in caches), sum(c.resident_bytes() for c in caches))
-        self.archived = (sum(len(a) for c in caches for a in c.archives if a is not None),
-                         sum(c.archived_bytes() for c in caches))
+        self.archived = (sum(c.archived_tokens() for c in caches), sum(c.archived_bytes() for c in caches))
 
     # ----- model work -------------------------------------------------------------------------
 

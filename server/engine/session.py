@@ -49,8 +49,7 @@ class Session:
     @property
     def archived_tokens(self) -> int:
         cache = self.cache
-        archive = cache.archives[0] if cache is not None else None
-        return len(archive) if archive is not None else 0
+        return cache.archived_tokens(0) if cache is not None else 0
 
     @property
     def archived_bytes(self) -> int:
