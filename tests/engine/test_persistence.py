@@ -31,15 +31,21 @@ def restarted(make_engine, state_dir, **kwargs):
     return make_engine(policy="h2o", budget=24, state_dir=str(state_dir), **kwargs)
 
 
+async def stopped_before_the_last_turn(make_engine, state_dir, **kwargs):
+    """An engine that had all turns but the last and stopped gracefully, the engine started after it
+    on the same state dir, and the session's id: (first, second, session_id)."""
+    first = restarted(make_engine, state_dir, **kwargs)
+    session_id, _ = await talk(first, TURNS[:-1])
+    first.stop()
+    return first, restarted(make_engine, state_dir, **kwargs), session_id
+
+
 async def test_a_graceful_restart_resumes_from_the_snapshot_with_the_same_tokens_and_no_prefill(make_engine, tmp_path):
     control = make_engine(policy="h2o", budget=24)
     _, expected = await talk(control, TURNS)
 
-    first = restarted(make_engine, tmp_path)
-    session_id, _ = await talk(first, TURNS[:-1])
-    first.stop()
+    first, second, session_id = await stopped_before_the_last_turn(make_engine, tmp_path)
     assert first.sessions.idle()[0].cache.lengths[0] < first.sessions.idle()[0].cache.seen[0]  # it evicted
-    second = restarted(make_engine, tmp_path)
     _, [got] = await talk(second, TURNS[-1:], session_id)
 
     assert got.token_ids == expected[-1].token_ids and got.session_id == session_id
@@ -51,10 +57,7 @@ async def test_a_graceful_restart_resumes_from_the_snapshot_with_the_same_tokens
 async def test_a_restored_session_shows_the_inspector_the_same_cache_and_tokens(make_engine, tmp_path):
     control = make_engine(policy="h2o", budget=24)
     control_id, _ = await talk(control, TURNS)
-    first = restarted(make_engine, tmp_path)
-    session_id, _ = await talk(first, TURNS[:-1])
-    first.stop()
-    second = restarted(make_engine, tmp_path)
+    _, second, session_id = await stopped_before_the_last_turn(make_engine, tmp_path)
     await talk(second, TURNS[-1:], session_id)
 
     got, expected = await second.inspect("", session_id, 10_000), await control.inspect("", control_id, 10_000)
@@ -67,12 +70,9 @@ async def test_a_session_with_an_archive_resumes_from_its_snapshot_and_recalls_a
     control = make_engine(policy="h2o", budget=24, cache=RECALL)
     control_id, expected = await talk(control, TURNS)
 
-    first = restarted(make_engine, tmp_path, cache=RECALL)
-    session_id, _ = await talk(first, TURNS[:-1])
-    first.stop()
+    first, second, session_id = await stopped_before_the_last_turn(make_engine, tmp_path, cache=RECALL)
     archive = first.sessions.idle()[0].cache.archives[0]
     assert len(archive) > 0
-    second = restarted(make_engine, tmp_path, cache=RECALL)
     archived = sum(t.numel() * t.element_size() for t in archive.state().values())
     assert second.stats().state.snapshot_bytes > archived  # the archive is in the snapshot, and counted
     _, [got] = await talk(second, TURNS[-1:], session_id)
