@@ -26,6 +26,7 @@ import torch
 
 _FIELDS = ("keys", "values", "scores", "origins")
 SPREAD = 8  # neighbours on each side whose votes a position shares
+CANDIDATES = 4  # blocks per recalled block that the exact logits rank (second stage of `select`)
 
 
 class Archive:
@@ -172,12 +173,16 @@ class Archive:
             order = self._data["origins"][:, :, fresh].argsort(dim=-1)
             for buffer in self._data.values():
                 buffer[:, :, fresh] = _gather(buffer[:, :, fresh], order)
-            new = self._data["keys"][:, :, start * size:full * size].float()
-            new = new.view(*self.shape, full - start, size, self.head_dim)
-            self._lo[:, :, start:full] = new.amin(dim=3)
-            self._hi[:, :, start:full] = new.amax(dim=3)
-            self._digested = full
+            self._digest(start, full)
         return self._lo[:, :, :full], self._hi[:, :, :full]
+
+    def _digest(self, start: int, end: int) -> None:
+        """Compute the digests of storage blocks start..end (their tokens are in their final order)."""
+        size = self.block
+        keys = self._data["keys"][:, :, start * size:end * size].float().view(*self.shape, end - start, size, self.head_dim)
+        self._lo[:, :, start:end] = keys.amin(dim=3)
+        self._hi[:, :, start:end] = keys.amax(dim=3)
+        self._digested = end
 
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, blocks: int) -> torch.Tensor:
@@ -186,33 +191,62 @@ class Archive:
 
         queries: [L, H_kv, Q, D] before RoPE, the Q = group x chunk queries sharing each KV head
         (any device).
-        Each query's upper-bound logits over the blocks are softmaxed, as attention would be, and
-        summed over the queries: the attention mass the block may draw, H2O's measure. Heads then
-        pool their masses by original position (a head's mass goes to the positions its block
-        holds), and each head recalls its blocks whose positions drew the most mass from all heads:
-        a head that never attends to a fact still gets it back when the heads that do vote for it.
+        Two stages, each a vote of all heads over the conversation's positions (`_choose`):
+        1. each query's upper-bound logits over the blocks (the digests) are softmaxed, as attention
+           would be, and summed over the queries: the attention mass a block may draw, H2O's
+           measure; each head keeps the CANDIDATES x `blocks` blocks holding the best-voted positions;
+        2. the exact logits of the queries against the candidates' keys, softmaxed over them, give
+           every candidate token its attention mass, and each head recalls its `blocks` candidates
+           holding the best-voted positions.
+        The bound alone ranks the blocks poorly (in a 30-turn chat it left a pass key out of the
+        candidates of most heads, where the exact logits put it first); the exact logits of the
+        whole archive cost seconds on a CPU.
         Returns [L, H_kv, blocks] int64 storage block indices, ascending.
         """
         lo, hi = self._digests()
+        full = lo.shape[2]
         device = queries.device
-        lo, hi = lo.to(device), hi.to(device)
-        taken = self._taken[:, :, :lo.shape[2]].to(device)
         q = queries.float()
+        lo, hi = lo.to(device), hi.to(device)
+        taken = self._taken[:, :, :full]
         bound = torch.matmul(q.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(q.clamp(max=0), lo.transpose(-1, -2))
-        bound = bound.masked_fill(taken[:, :, None], float("-inf"))
+        bound = bound.masked_fill(taken.to(device)[:, :, None], float("-inf"))
         mass = (bound * scaling).softmax(dim=-1).sum(dim=2).cpu()  # [L, H_kv, blocks]
-        # Every head votes for the conversation's positions its blocks hold; a head then recalls the
-        # blocks holding the positions all heads voted for most.
-        full = mass.shape[-1]
-        origins = self._data["origins"][:, :, :full * self.block]
-        votes = torch.zeros(int(origins.max()) + 1).index_add_(
-            0, origins.flatten(), mass[..., None].expand(-1, -1, -1, self.block).flatten() / self.block)
-        # A phrase is relevant as a whole: a position also scores the mean vote of its neighbours.
-        nearby = torch.nn.functional.avg_pool1d(votes[None, None], 2 * SPREAD + 1, stride=1, padding=SPREAD)[0, 0]
-        score = (votes + nearby)[origins].view(*self.shape, full, self.block).sum(dim=-1)
-        score = score.masked_fill(self._taken[:, :, :full], float("-inf"))
-        chosen = score.topk(blocks, dim=-1).indices
-        return chosen.sort(dim=-1).values
+        origins = self._data["origins"][:, :, :full * self.block].view(*self.shape, full, self.block)
+        rarity = self._rarity()
+        free = torch.arange(full).expand(*self.shape, full)[~taken].view(*self.shape, -1)
+        mass = mass.gather(2, free)[..., None].expand(-1, -1, -1, self.block) / self.block
+        candidates = free.gather(2, _choose(mass, origins.gather(2, _expand(free, self.block)), rarity,
+                                            min(CANDIDATES * blocks, free.shape[-1])))
+        tokens = (candidates[..., None] * self.block + torch.arange(self.block)).flatten(-2)
+        keys = _gather(self._data["keys"], tokens).to(device).float()
+        exact = (torch.matmul(q, keys.transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2).cpu()
+        exact = exact.view(*self.shape, -1, self.block)
+        chosen = _choose(exact, _gather(self._data["origins"], tokens).view_as(exact), rarity, blocks)
+        return candidates.gather(2, chosen).sort(dim=-1).values
+
+    def _rarity(self) -> torch.Tensor:
+        """[positions] 1 / sqrt(copies): how many archived positions hold the same token, by position.
+
+        A chat template and a repeated instruction come back at every turn, and a probe attends to
+        all their copies; summed, the copies outvote a fact stated once (measured: a pass key lost
+        after 30 turns to 30 copies of "Here is a passage:"). The layer-0 keys before RoPE are a
+        function of the token alone in a Llama-family model, so equal layer-0 keys are copies of one
+        token; a position counts the copies in the layer-0 head's archive that holds most of them
+        (taken blocks excluded: they are in the cache).
+        """
+        n, full = self.stored, self.stored // self.block
+        held = torch.ones(n, dtype=torch.bool)  # tokens not taken (taken ones are back in the cache)
+        copies = torch.ones(int(self._data["origins"][:, :, :n].max()) + 1)
+        mix = torch.randint(1, 2**62, (self.head_dim,), generator=torch.Generator().manual_seed(0))
+        for head in range(self.shape[1]):
+            held[:full * self.block] = ~self._taken[0, head, :full].repeat_interleave(self.block)
+            keys = self._data["keys"][0, head, :n][held].float()
+            fingerprint = (torch.round(keys * 64).long() * mix).sum(-1)
+            _, inverse, counts = torch.unique(fingerprint, return_inverse=True, return_counts=True)
+            at = self._data["origins"][0, head, :n][held]
+            copies[at] = torch.maximum(copies[at], counts[inverse].float())
+        return copies.rsqrt()
 
     @torch.no_grad()
     def take(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,20 +275,44 @@ class Archive:
         return twin
 
     def state(self) -> dict[str, torch.Tensor]:
-        """The held tokens as host tensors, in storage order (digests are recomputed on load)."""
+        """The held tokens as host tensors, in storage order, and `blocked`: how many blocks of them are
+        formed (their tokens sorted; the rest are sorted when the next block completes). Digests are
+        recomputed on load."""
         self._wait()
         self._compact()
+        self._digests()
         if not self._data:
             keys = torch.zeros(*self.shape, 0, self.head_dim, dtype=self.dtype)
             return {"keys": keys, "values": keys.clone(), "scores": torch.zeros(*self.shape, 0),
-                    "origins": torch.zeros(*self.shape, 0, dtype=torch.int64)}
-        return {name: self._data[name][:, :, :self.stored].clone() for name in _FIELDS}
+                    "origins": torch.zeros(*self.shape, 0, dtype=torch.int64), "blocked": torch.tensor([0])}
+        state = {name: self._data[name][:, :, :self.stored].clone() for name in _FIELDS}
+        return state | {"blocked": torch.tensor([self._digested])}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the contents with `state()` of an archive of the same geometry."""
+        """Replace the contents with `state()` of an archive of the same geometry; its blocks stay as
+        they were formed (a state without `blocked` has its tokens re-blocked in origin order)."""
         self.stored = self.taken_blocks = self._capacity = self._digested = 0
         self._data, self._lo, self._hi, self._taken = {}, None, None, None
         self.append(*(state[name] for name in _FIELDS))
+        if "blocked" in state and self.stored:
+            self._digest(0, int(state["blocked"][0]))
+
+
+def _choose(mass: torch.Tensor, origins: torch.Tensor, rarity: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Indices [L, H_kv, blocks] into dim 2 of mass, origins [L, H_kv, n, block] (the attention mass
+    of each token of n blocks per head, and its original position): every head's mass goes to the
+    positions its tokens hold, weighted by their rarity; a position also scores the mean vote of
+    its SPREAD neighbours on each side (a phrase is relevant as a whole); each head takes its
+    blocks whose positions drew the most. A head that never attends to a fact still gets it back
+    when the heads that do vote for it."""
+    votes = torch.zeros(len(rarity)).index_add_(0, origins.flatten(), mass.flatten()) * rarity
+    nearby = torch.nn.functional.avg_pool1d(votes[None, None], 2 * SPREAD + 1, stride=1, padding=SPREAD)[0, 0]
+    return (votes + nearby)[origins].sum(dim=-1).topk(blocks, dim=-1).indices
+
+
+def _expand(blocks: torch.Tensor, size: int) -> torch.Tensor:
+    """[L, H_kv, b] block indices -> [L, H_kv, b, size] token-in-block indices for a [.., n, size] gather."""
+    return blocks[..., None].expand(-1, -1, -1, size)
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,25 @@ def test_a_head_recalls_its_own_tokens_of_the_voted_positions():
     assert (taken[3] == 20).any(dim=-1).all()
 
 
+def test_a_token_repeated_at_every_turn_does_not_outvote_a_fact_stated_once():
+    """A chat template repeats at every turn: its copies (equal layer-0 keys, as one token's are)
+    each match the query a little better than the fact does, and summed they would take the recall;
+    weighted by their rarity, the fact's block wins."""
+    a = archive(block=4, limit=256)
+    keys, values, scores, origins = tokens(96, 0)
+    keys = keys * 0.05
+    query = torch.randn(D, generator=torch.Generator().manual_seed(11))
+    query = query / query.norm()
+    template = query * 2.5 + torch.randn(D, generator=torch.Generator().manual_seed(12)) * 0.05
+    fact = query * 2.0 + torch.randn(D, generator=torch.Generator().manual_seed(13)) * 0.05
+    copies = list(range(2, 96, 16))  # 6 turns, one template token each
+    keys[:, :, copies] = template
+    keys[:, :, 41] = fact  # block 10, between two copies
+    a.append(keys, values, scores, origins)
+    got = a.take(a.select(query.expand(L, H, 4, D), scaling=2.0, blocks=2))
+    assert (got[3] == 41).any(dim=-1).all()
+
+
 def test_select_digests_follow_takes_and_appends():
     """Taken blocks are never chosen again, and blocks appended later are scored too."""
     a = archive(block=4, limit=256)
@@ -137,6 +156,23 @@ def test_copy_is_independent():
     a.take(torch.zeros(L, H, 1, dtype=torch.int64))
     assert len(twin) == 12 and len(a) == 8
     assert torch.equal(twin.state()["origins"][0, 0], torch.arange(12))
+
+
+def test_a_copy_keeps_the_blocks_as_they_were_formed():
+    """Each batch of evicted tokens is sorted by origin when its blocks form; a copy (and a snapshot,
+    which goes through the same state) keeps those blocks rather than re-sorting the whole archive,
+    so a restored session recalls what it would have."""
+    a = archive(block=4, limit=256)
+    first, second = tokens(12, 0, seed=1), tokens(12, 0, seed=2)
+    first[3][:] = torch.tensor([20, 3, 11, 7, 0, 9, 22, 15, 1, 5, 18, 13])
+    second[3][:] = torch.tensor([4, 16, 2, 21, 8, 12, 23, 10, 6, 17, 14, 19])
+    a.append(*first)
+    a.select(torch.randn(L, H, 2, D), scaling=1.0, blocks=1)  # the first batch forms its blocks
+    a.append(*second)
+    twin = a.copy()
+    query = torch.randn(L, H, 2, D, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(twin.take(twin.select(query, 1.0, 2))[3], a.take(a.select(query, 1.0, 2))[3])
+    assert torch.equal(twin.state()["origins"], a.state()["origins"])
 
 
 def test_a_block_larger_than_the_limit_is_refused():
