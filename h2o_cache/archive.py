@@ -12,7 +12,8 @@ blocks, so that a block is mostly a contiguous run of the conversation. Each ful
 the channel-wise min and max of its keys (Quest, arXiv 2406.10774): for a query q,
 sum_d max(q_d lo_d, q_d hi_d) bounds q.k from above for every key k of the block, so a block holding
 one key the query would attend to strongly scores high even when its other keys are noise. The
-bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0.
+bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0. The bound picks
+candidate blocks; the exact logits of the query against their keys choose among them (`select`).
 
 Recalled blocks leave the archive at once but their storage is reclaimed lazily: they are marked
 taken and compacted away when a quarter of the storage is taken, so a turn's recall costs what it

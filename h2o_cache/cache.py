@@ -412,10 +412,12 @@ class H2OCache:
 
     # ----- recall ----------------------------------------------------------------------------
 
-    def can_recall(self) -> bool:
-        """Whether `recall` could change anything: a row has pinned tokens or a full archive block."""
+    def can_recall(self, row: int | None = None) -> bool:
+        """Whether `recall` could change anything for `row` (None: for any row): it has pinned tokens
+        or a full archive block."""
+        rows = range(self.batch_size) if row is None else [row]
         return self.config.recalls and any(
-            n or (a is not None and a.full_blocks) for n, a in zip(self.recalled, self.archives))
+            self.recalled[r] or (self.archives[r] is not None and self.archives[r].full_blocks) for r in rows)
 
     @torch.no_grad()
     def recall(self, probe: Probe) -> list[int]:

@@ -64,18 +64,20 @@ class Generator:
 
         recall: tokens are a new turn's prompt; with a cache that recalls, the last `recall_probe`
         tokens of each row first probe the cache, and the archived blocks their queries point at are
-        recalled before they are fed (`H2OCache.recall`).
+        recalled before they are fed (`H2OCache.recall`). The rest of the prompt is fed first, so a
+        long first turn recalls what its own beginning evicted.
         Returns fp32 logits after each row's last token [B, V]. Every row needs >= 1 token.
         """
         if any(not t for t in tokens):
             raise ValueError("every row needs at least one token to prefill")
-        if recall and cache.can_recall():
+        if recall and cache.config.recalls:
             tail = cache.config.recall_probe
             heads = [t[:-tail] for t in tokens]
             if any(heads):
                 self._prefill(cache, heads)
             tokens = [t[-tail:] for t in tokens]
-            self.recall(cache, tokens)
+            if cache.can_recall():
+                self.recall(cache, tokens)
         return torch.stack(self._prefill(cache, tokens))
 
     def recall(self, cache: H2OCache, pieces: list[list[int]]) -> list[int]:

@@ -27,7 +27,7 @@ from h2o_cache.bench.speed import greedy_step_seconds
 
 def conversation_row(gen: Generator, config: CacheConfig, history: list[int]) -> H2OCache:
     row = gen.new_cache(1, config)
-    gen.prefill(row, [history], recall=True)
+    gen.prefill(row, [history])
     return row
 
 

@@ -71,11 +71,12 @@ class ModelRunner:
 
     def _recall_and_feed(self, cache: H2OCache, pieces: list[list[int]], seqs: list[Sequence]) -> list:
         """Recall for the rows whose probe is due, then feed every row that did not fail its piece."""
-        probes = [seq.probe if seq.recall_due else [] for seq in seqs]
+        due = [seq.recall_due for seq in seqs]
+        probes = [seq.probe if is_due and cache.can_recall(row) else [] for row, (seq, is_due) in enumerate(zip(seqs, due))]
         recalled = self._guarded(lambda some: self.generator.recall(cache, some), probes)
-        for seq, count in zip(seqs, recalled):
-            if isinstance(count, int):
-                seq.recall_at, seq.recalled = None, count
+        for seq, is_due, count in zip(seqs, due, recalled):
+            if is_due and not isinstance(count, Exception):
+                seq.recall_at, seq.recalled = None, count or 0  # None: nothing to recall
         failed = [isinstance(count, Exception) for count in recalled]
         fed = self._guarded(lambda some: self.generator.step(cache, some),
                             [[] if bad else piece for bad, piece in zip(failed, pieces)])

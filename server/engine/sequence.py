@@ -30,9 +30,10 @@ class Sequence:
     the state and `cache` is None; the row's pending token is the last one sampled.
 
     When the cache recalls, the turn's last `recall_probe` tokens are its probe: `recall_at` is
-    where they start in `turn.prefill` until the runner has recalled with them, just before
-    feeding them (`Generator.prefill(recall=True)`, a chunk at a time); `recalled` then counts the
-    tokens per layer/KV head the recall brought back.
+    where they start in `turn.prefill` until the runner has recalled with them (if the row then has
+    anything to recall: a long first turn may have archived its own beginning), just before feeding
+    them (`Generator.prefill(recall=True)`, a chunk at a time); `recalled` then counts the tokens per
+    layer/KV head the recall brought back.
     """
 
     session: Session
@@ -86,7 +87,7 @@ class Sequence:
         self.history = self.session.token_ids[:cache.seen[0]] if cache is not None else array("i")
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
-        if self.cache.can_recall():  # decided before any of the turn is fed, as `Generator.prefill` does
+        if self.cache.config.recalls:  # the probe is fed on its own, as `Generator.prefill` does
             self.recall_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
         self.sampler = Sampler(self.params)
         self.decoder = new_decoder(self.params.stop)

@@ -68,6 +68,18 @@ async def test_a_session_recalls_exactly_as_generate_does_and_the_stats_count_it
     assert stats.archived_kv_tokens == states[-1][0][2] > 0
     assert stats.archived_kv_bytes == session.cache.archived_bytes() > 0
 
+    assert_as_generate(engine, replies, states)
+
+
+async def test_a_long_first_turn_recalls_what_its_own_beginning_evicted(make_engine):
+    engine = recall_engine(make_engine)
+    replies, states = await talk(engine, [" ".join(["a long first question about caches and budgets"] * 4)])
+    assert states[0][0][1] > 0 and engine.stats().recall_turns_total == 1
+    assert_as_generate(engine, replies, states)
+
+
+def assert_as_generate(engine, replies, states) -> None:
+    """`Generator.generate`, fed each turn's prompt tokens, gives the same replies and cache states."""
     generator = Generator(engine.generator.model, engine.tokenizer, engine.cache_config)
     cache = generator.new_cache(1)
     consumed = 0

@@ -140,7 +140,7 @@ def test_kept_tokens_gives_each_head_its_own_heavy_hitters_and_scores(peaked_mod
 def test_kept_tokens_names_each_heads_recalled_tokens_and_the_archive(peaked_model):
     gen = Generator(peaked_model, ByteTokenizer())
     cache = gen.new_cache(1, recall_config())
-    gen.prefill(cache, [random_tokens(90, seed=2)], recall=True)
+    gen.prefill(cache, [random_tokens(90, seed=2)])  # not a turn that recalls: a first turn of 90 would recall itself
     before = kept_tokens(cache, 0)  # evicted and archived, nothing recalled yet
     assert before.recalled == 0 and before.archived > 0 and not any(h.recalled for heads in before.heads for h in heads)
     gen.prefill(cache, [random_tokens(10, seed=3)], recall=True)

@@ -48,11 +48,26 @@ def test_recalling_every_evicted_token_reproduces_the_full_cache():
     config = recall_config(recall_budget=64, recall_block=1, recall_probe=2)
     cache = gen.new_cache(1, config)
     ids = random_tokens(44, seed=0)
-    gen.prefill(cache, [ids[:42]], recall=True)
+    gen.prefill(cache, [ids[:42]])  # history: no turn of its own to recall for
     assert cache.lengths == [30] and len(cache.archives[0]) == 12
     logits = gen.prefill(cache, [ids[42:]], recall=True)
     assert cache.recalled == [12] and cache.lengths == [44]
     assert (cache.buffers().origins[:, 0, :, :44] == torch.arange(44)).all()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_first_turn_recalls_what_its_own_beginning_evicted():
+    """Recall is decided once the turn's head is in: a first prompt longer than the budget has an
+    archive by then, and its probe brings back every evicted token (one layer: the full model's
+    logits, as above)."""
+    model = tiny_llama(layers=1)
+    gen = Generator(model, ByteTokenizer())
+    cache = gen.new_cache(1, recall_config(recall_budget=64, recall_block=1, recall_probe=2))
+    ids = random_tokens(44, seed=0)
+    logits = gen.prefill(cache, [ids], recall=True)
+    assert cache.recalled == [12] and cache.lengths == [44] and len(cache.archives[0]) == 0
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
@@ -74,7 +89,7 @@ def test_with_a_budget_above_the_conversation_recall_changes_nothing(peaked_mode
 def test_recalled_tokens_come_back_exactly_merged_by_origin_and_rotated_to_their_slots(peaked_model):
     gen = Generator(peaked_model, ByteTokenizer())
     cache = gen.new_cache(1, recall_config())
-    gen.prefill(cache, [random_tokens(90, seed=2)], recall=True)
+    gen.prefill(cache, [random_tokens(90, seed=2)])
     before, archived = row_state(cache, 0), cache.archives[0].state()
     n, stored = cache.lengths[0], len(cache.archives[0])
     [recalled] = gen.recall(cache, [random_tokens(6, seed=3)])
