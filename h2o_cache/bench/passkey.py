@@ -14,7 +14,8 @@ prefill that may recall (`Generator.prefill(recall=True)`), each reply is fed af
 A conversation longer than the model's window is reported as n/a for `full`, which cannot follow it.
 
 Caches: `policy:budget`, with `+rN` for a recall budget of N tokens (`h2o:256+r128`); `full` has
-no budget. Prompts are fed in chunks of budget // 4, 512 for full, as in the other benches.
+no budget. A one-prompt cell is fed as one user turn too: with recall, its last tokens (the question)
+probe what the prompt's beginning evicted, as the server does. Prompts are fed in chunks of budget // 4, 512 for full, as in the other benches.
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def answer_tokens(gen: Generator, secret: Secret) -> tuple[list[int], list[int]]
     return opening, answer
 
 
-def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> tuple[list[int], Item]:
+def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> tuple[list[int], Chat]:
     """One user message: instruction, the filler with the needle at `depth`, the question.
 
     Returns the tokens before the needle, which do not depend on the secret (all keys of a cell
-    share them, so they are prefilled once), and the rest of the prompt with the answer to score.
+    share them, so they are prefilled once), and the rest: the user turn's remaining tokens (fed as
+    a turn, so a cache that recalls probes with its last tokens), then the answer to score.
     """
     marker = "\x00"
     rendered = gen.tokenizer.apply_chat_template(
@@ -90,7 +92,7 @@ def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: floa
     encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     at = int(depth * len(filler))
     opening, answer = answer_tokens(gen, secret)
-    return encode(before) + filler[:at], Item(encode(secret.needle) + filler[at:] + encode(after) + opening, answer)
+    return encode(before) + filler[:at], Chat([(encode(secret.needle) + filler[at:] + encode(after), True)], Item(opening, answer))
 
 
 @dataclass(frozen=True)
@@ -144,17 +146,16 @@ def cache_config(spec: str) -> CacheConfig:
                        recall_budget=int(recall or 0))
 
 
-def recalled(gen: Generator, config: CacheConfig, prefix: list[int], items: list[Item | Chat], batch: int) -> int:
-    """How many items, each continuing the common `prefix`, have answers greedy decoding reproduces.
+def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list[Chat], batch: int) -> int:
+    """How many chats, each continuing the common `prefix`, have answers greedy decoding reproduces.
     Chats are fed piece by piece first, user turns with recall."""
     total = 0
-    for start in range(0, len(items), batch):
-        group = items[start:start + batch]
+    for start in range(0, len(chats), batch):
+        group = chats[start:start + batch]
         cache = fork(gen, config, prefix, len(group))
-        if isinstance(group[0], Chat):
-            for i in range(len(group[0].pieces)):
-                gen.prefill(cache, [chat.pieces[i][0] for chat in group], recall=group[0].pieces[i][1])
-            group = [chat.item for chat in group]
+        for i in range(len(group[0].pieces)):
+            gen.prefill(cache, [chat.pieces[i][0] for chat in group], recall=group[0].pieces[i][1])
+        group = [chat.item for chat in group]
         _, hits = score(gen, config, group, cache)
         total += sum(int(h) == len(item.target) for h, item in zip(hits.tolist(), group))
     return total
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.caches:
         config = cache_config(spec)
         for label, prefix, items in cells:
-            longest = len(prefix) + max(_tokens(item) + len(_item(item).target) for item in items)
+            longest = len(prefix) + max(chat.tokens + len(chat.item.target) for chat in items)
             if not config.evicts and window and longest > window:
                 accuracy[(spec, label)] = None  # the full cache cannot hold more than the model's window
                 continue
@@ -207,21 +208,13 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
     what = "secret city" if args.fact else "5-digit pass key"
     mode = "multi-turn chat" if args.chat is not None else "one prompt"
-    rows = [[label, len(prefix) + max(_tokens(i) for i in items), *(
+    rows = [[label, len(prefix) + max(chat.tokens for chat in items), *(
         "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
         for label, prefix, items in cells]
     rows.append(["mean", "", *(_mean([accuracy[(spec, label)] for label, _, _ in cells]) for spec in args.caches)])
     print(markdown_table(["cell", "prompt tokens", *args.caches], rows,
                          f"Recall of a {what} ({mode}), {args.keys} per cell, greedy after a forced opening; "
                          f"model window {window}"))
-
-
-def _item(entry: Item | Chat) -> Item:
-    return entry.item if isinstance(entry, Chat) else entry
-
-
-def _tokens(entry: Item | Chat) -> int:
-    return entry.tokens if isinstance(entry, Chat) else len(entry.context)
 
 
 def _mean(values: list[float | None]) -> str:

@@ -33,15 +33,17 @@ def test_the_needle_sits_at_its_depth_and_the_answer_follows_the_opening(gen):
     secret = secrets(1, fact=False)[0]
     needle = gen.tokenizer.encode(secret.needle)
     for depth in (0.0, 0.5, 0.9):
-        prefix, item = single_prompt(gen, filler, secret, depth)
+        prefix, chat = single_prompt(gen, filler, secret, depth)
         assert prefix == single_prompt(gen, filler, secrets(2, fact=False, seed=5)[1], depth)[0]  # shared by all keys
-        text = gen.tokenizer.decode(prefix + item.context)
+        [(turn, is_user)] = chat.pieces  # the rest of the user turn, fed as one (it may recall)
+        text = gen.tokenizer.decode(prefix + turn + chat.item.context)
         before_needle = text.index(secret.needle)
         xs_before = text[:before_needle].count("#")
-        assert xs_before == int(depth * len(filler))
+        assert xs_before == int(depth * len(filler)) and is_user
+        assert gen.tokenizer.decode(prefix + turn).endswith(secret.question + "\nassistant: ")  # the turn ends at the generation prompt
         assert text.endswith("assistant: The pass key is ")  # the lone space is forced, the digits asked
-        assert gen.tokenizer.decode(item.target) == secret.answer.strip()
-        assert len(prefix) + len(item.context) >= len(filler) + len(needle)
+        assert gen.tokenizer.decode(chat.item.target) == secret.answer.strip()
+        assert len(prefix) + chat.tokens >= len(filler) + len(needle)
 
 
 def test_chat_pieces_tell_first_ask_last_and_alternate_user_turns_and_replies(gen):
