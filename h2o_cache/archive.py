@@ -294,6 +294,8 @@ class Archive:
         they were formed (a state without `blocked` has its tokens re-blocked in origin order)."""
         self.stored = self.taken_blocks = self._capacity = self._digested = 0
         self._data, self._lo, self._hi, self._taken = {}, None, None, None
+        n = state["keys"].shape[2]
+        self._grow(min(self.limit, n + n // 2))  # room to go on: the next eviction does not copy it all
         self.append(*(state[name] for name in _FIELDS))
         if "blocked" in state and self.stored:
             self._digest(0, int(state["blocked"][0]))
