@@ -131,7 +131,7 @@ class Archive:
         if blocks is None:
             blocks = torch.arange(start, full).expand(*self.shape, full - start)
         b = blocks.shape[-1]
-        tokens = (blocks[..., None] * size + torch.arange(size)).flatten(-2)
+        tokens = _block_tokens(blocks, size)
         for buffer in self._data.values():
             rest = buffer[:, :, full * size:self.stored].clone()
             buffer[:, :, :b * size] = _gather(buffer, tokens)
@@ -213,13 +213,12 @@ class Archive:
         bound = torch.matmul(q.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(q.clamp(max=0), lo.transpose(-1, -2))
         bound = bound.masked_fill(taken.to(device)[:, :, None], float("-inf"))
         mass = (bound * scaling).softmax(dim=-1).sum(dim=2).cpu()  # [L, H_kv, blocks]
-        origins = self._data["origins"][:, :, :full * self.block].view(*self.shape, full, self.block)
         rarity = self._rarity()
         free = torch.arange(full).expand(*self.shape, full)[~taken].view(*self.shape, -1)
         mass = mass.gather(2, free)[..., None].expand(-1, -1, -1, self.block) / self.block
-        candidates = free.gather(2, _choose(mass, origins.gather(2, _expand(free, self.block)), rarity,
-                                            min(CANDIDATES * blocks, free.shape[-1])))
-        tokens = (candidates[..., None] * self.block + torch.arange(self.block)).flatten(-2)
+        origins = _gather(self._data["origins"], _block_tokens(free, self.block)).view_as(mass)
+        candidates = free.gather(2, _choose(mass, origins, rarity, min(CANDIDATES * blocks, free.shape[-1])))
+        tokens = _block_tokens(candidates, self.block)
         keys = _gather(self._data["keys"], tokens).to(device).float()
         exact = (torch.matmul(q, keys.transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2).cpu()
         exact = exact.view(*self.shape, -1, self.block)
@@ -259,7 +258,7 @@ class Archive:
         b = chosen.shape[-1]
         if bool(self._taken.gather(2, chosen).any()):
             raise ValueError("a block is taken twice")
-        tokens = (chosen[..., None] * self.block + torch.arange(self.block)).flatten(-2)
+        tokens = _block_tokens(chosen, self.block)
         out = tuple(_gather(self._data[name], tokens) for name in _FIELDS)
         self._taken.scatter_(2, chosen, True)
         self.taken_blocks += b
@@ -281,11 +280,11 @@ class Archive:
         recomputed on load."""
         self._wait()
         self._compact()
-        self._digests()
         if not self._data:
             keys = torch.zeros(*self.shape, 0, self.head_dim, dtype=self.dtype)
             return {"keys": keys, "values": keys.clone(), "scores": torch.zeros(*self.shape, 0),
                     "origins": torch.zeros(*self.shape, 0, dtype=torch.int64), "blocked": torch.tensor([0])}
+        self._digests()
         state = {name: self._data[name][:, :, :self.stored].clone() for name in _FIELDS}
         return state | {"blocked": torch.tensor([self._digested])}
 
@@ -313,9 +312,9 @@ def _choose(mass: torch.Tensor, origins: torch.Tensor, rarity: torch.Tensor, blo
     return (votes + nearby)[origins].sum(dim=-1).topk(blocks, dim=-1).indices
 
 
-def _expand(blocks: torch.Tensor, size: int) -> torch.Tensor:
-    """[L, H_kv, b] block indices -> [L, H_kv, b, size] token-in-block indices for a [.., n, size] gather."""
-    return blocks[..., None].expand(-1, -1, -1, size)
+def _block_tokens(blocks: torch.Tensor, size: int) -> torch.Tensor:
+    """[L, H_kv, b] storage block indices -> [L, H_kv, b * size] indices of their tokens, in block order."""
+    return (blocks[..., None] * size + torch.arange(size)).flatten(-2)
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

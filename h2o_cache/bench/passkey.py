@@ -15,7 +15,8 @@ A conversation longer than the model's window is reported as n/a for `full`, whi
 
 Caches: `policy:budget`, with `+rN` for a recall budget of N tokens (`h2o:256+r128`); `full` has
 no budget. A one-prompt cell is fed as one user turn too: with recall, its last tokens (the question)
-probe what the prompt's beginning evicted, as the server does. Prompts are fed in chunks of budget // 4, 512 for full, as in the other benches.
+probe what the prompt's beginning evicted, as the server does. Prompts are fed in chunks of
+budget // 4, 512 for full, as in the other benches.
 """
 
 from __future__ import annotations

@@ -175,6 +175,11 @@ def test_a_copy_keeps_the_blocks_as_they_were_formed():
     assert torch.equal(twin.state()["origins"], a.state()["origins"])
 
 
+def test_an_empty_archive_copies_and_restores_empty():
+    twin = archive().copy()
+    assert len(twin) == 0 and twin.state()["origins"].shape == (L, H, 0)
+
+
 def test_a_block_larger_than_the_limit_is_refused():
     with pytest.raises(ValueError):
         Archive(L, H, D, torch.float32, block=16, limit=8)
