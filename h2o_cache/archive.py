@@ -27,7 +27,10 @@ import torch
 
 _FIELDS = ("keys", "values", "scores", "origins")
 SPREAD = 8  # neighbours on each side whose votes a position shares
-CANDIDATES = 4  # blocks per recalled block that the exact logits rank (second stage of `select`)
+# Blocks per recalled block that the exact logits rank (second stage of `select`). Measured on ten
+# 30-turn chats replayed at the question: 4 kept 40% of the pass key's tokens resident (7/10 answered),
+# 8 kept 61% (8/10), 16 kept 99% (10/10), as did the whole archive (10/10, 4x the time).
+CANDIDATES = 16
 
 
 class Archive:
