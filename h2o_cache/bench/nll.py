@@ -12,6 +12,11 @@ difference from `local` and `streaming` at the same budget (negative: h2o is bet
 
 Prompts are fed in chunks of budget // 4 (as `xsum` and `perplexity` do), so eviction runs between
 chunks; the full cache takes chunks of 512, which does not change its result.
+
+`--recall N` also runs h2o at each of `--recall-budgets` with a recall budget of N: the prompt is fed
+as the server feeds a user turn (its last `recall_probe` tokens probe the archive of what the rest
+evicted, and the blocks they point at come back for the reply). Its rows are compared with h2o
+alone at the same budget and, when that budget is in the grid, at budget + N: the same cache slots.
 """
 
 from __future__ import annotations
@@ -66,16 +71,18 @@ def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int) -
 
 
 @torch.no_grad()
-def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCache | None = None,
+          turn: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per item, the summed NLL (nats) of its target tokens and how many of them greedy decoding hits.
 
     All items run as rows of one cache: prefill in chunks, then one target token per row and pass,
     teacher-forced. Rows never share scores (the cache keeps them apart), so an item's result does
     not depend on the batch. With `cache` (one row per item, already holding a common prefix, see
-    `fork`), each context continues what its row holds. Returns ([N] fp64 NLL sums, [N] int64 hits).
+    `fork`), each context continues what its row holds. turn: the contexts are user turns, prefilled
+    with recall when the cache recalls. Returns ([N] fp64 NLL sums, [N] int64 hits).
     """
     cache = cache if cache is not None else gen.new_cache(len(items), config)
-    logits = gen.prefill(cache, [item.context for item in items])  # [B, V], predicts target[0]
+    logits = gen.prefill(cache, [item.context for item in items], recall=turn)  # [B, V], predicts target[0]
     width = max(len(item.target) for item in items)
     targets = torch.tensor([item.target + [-1] * (width - len(item.target)) for item in items])
     valid = targets >= 0
@@ -116,17 +123,23 @@ def score_batched(gen: Generator, config: CacheConfig, items: list[Item], batch:
     hits = torch.zeros(len(items), dtype=torch.int64)
     for start in range(0, len(order), batch):
         picked = order[start:start + batch]
-        nll[picked], hits[picked] = score(gen, config, [items[i] for i in picked])
+        nll[picked], hits[picked] = score(gen, config, [items[i] for i in picked], turn=True)
     return nll, hits
 
 
-def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5) -> list[Run]:
-    """`full`, then every policy at every budget."""
+def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,
+         recall_budgets: list[int] | None = None) -> list[Run]:
+    """`full`, then every policy at every budget, and h2o with a recall budget of `recall` at each of
+    `recall_budgets` (default: every budget) as `h2o B +rN`."""
     runs = [Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))]
     for budget in budgets:
         for policy in policies:
             config = CacheConfig(policy=policy, budget=budget, heavy_ratio=heavy_ratio, prefill_chunk=max(1, budget // 4))
             runs.append(Run(f"{policy} {budget}", config))
+    for budget in (budgets if recall_budgets is None else recall_budgets) if recall else []:
+        config = CacheConfig(policy="h2o", budget=budget, heavy_ratio=heavy_ratio, prefill_chunk=max(1, budget // 4),
+                             recall_budget=recall)
+        runs.append(Run(f"h2o {budget} +r{recall}", config))
     return runs
 
 
@@ -170,8 +183,15 @@ def report(results: dict[str, torch.Tensor], hits: dict[str, torch.Tensor], toke
 
 def targets(results: dict[str, torch.Tensor], tokens: torch.Tensor, budgets: list[int]) -> list[str]:
     """The issue's goals: h2o at 128-256 within 5% of full, and better than local/streaming with the CI
-    excluding zero."""
+    excluding zero; with recall, no worse than h2o alone at the same budget and at the same slots."""
     lines = []
+    for label in (k for k in results if " +r" in k):
+        budget, recall = (int(n) for n in label.removeprefix("h2o ").split(" +r"))
+        for alone in (f"h2o {budget}", f"h2o {budget + recall}"):
+            if alone in results:
+                diff = ratio_of_sums_difference(results[label], results[alone], tokens)
+                lines.append(f"- {label} - {alone}: {diff} nats/token (goal: no worse, i.e. the CI reaching zero "
+                             f"or below): {'met' if diff.low <= 0 else 'MISSED'}")
     full_mean = results["full"].sum().item() / tokens.sum().item()
     for budget in (b for b in budgets if 128 <= b <= 256):
         label = f"h2o {budget}"
@@ -202,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-budgets", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--heavy-ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     parser.add_argument("--sinks", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--recall", type=int, default=0, help="also run h2o with this recall budget")
+    parser.add_argument("--recall-budgets", type=int, nargs="+", default=None,
+                        help="budgets that also run with --recall (default: all of --budgets)")
     parser.add_argument("--batch", type=int, default=8, help="articles per forward pass")
     parser.add_argument("--json", type=Path, default=None, help="also write per-article NLL sums here")
     add_model_args(parser)
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens)
     if not items:
         sys.exit(f"no article of {args.data} has a prompt of at most {args.max_prompt_tokens} tokens")
-    runs = grid(args.policies, args.budgets)
+    runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets)
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
     tokens = torch.tensor([len(item.target) for item in items], dtype=torch.float64)

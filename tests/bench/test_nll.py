@@ -89,3 +89,27 @@ def test_a_forked_prefix_scores_like_feeding_prefix_and_context_together(tiny_mo
     forked, _ = score(gen, config, batch, fork(gen, config, prefix, len(batch)))
     whole, _ = score(gen, config, [Item(prefix + item.context, item.target) for item in batch])
     assert torch.allclose(forked, whole, rtol=1e-4)
+
+
+def test_recall_runs_feed_the_prompt_as_a_turn_that_recalls(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer)
+    [run] = [r for r in grid(["h2o"], [24, 40], recall=16, recall_budgets=[24]) if "+r" in r.label]
+    assert run.label == "h2o 24 +r16" and run.config.recall_budget == 16 and run.config.budget == 24
+    config = CacheConfig(policy="h2o", budget=24, prefill_chunk=6, recall_budget=16, recall_block=4, recall_probe=8)
+    batch = items([60, 45, 70])
+    turns, _ = score_batched(gen, config, batch, batch=2)
+    alone = torch.cat([score(gen, config, [item], turn=True)[0] for item in batch])
+    assert torch.allclose(turns, alone, rtol=1e-4)
+    plain, _ = score(gen, config, batch)  # not a turn: nothing is recalled
+    no_recall, _ = score(gen, CacheConfig(policy="h2o", budget=24, prefill_chunk=6), batch)
+    assert torch.allclose(plain, no_recall, rtol=1e-4) and not torch.allclose(turns, plain, rtol=1e-3)
+
+
+def test_targets_compare_recall_with_h2o_alone_at_the_same_budget_and_the_same_slots():
+    tokens = torch.tensor([10.0, 20.0, 30.0])
+    full = torch.tensor([20.0, 40.0, 60.0])
+    results = {"full": full, "h2o 256": full + tokens * 0.02, "h2o 384": full - tokens * 0.01,
+               "h2o 256 +r128": full}
+    lines = [line for line in targets(results, tokens, [256, 384]) if "+r128" in line]
+    assert lines[0].startswith("- h2o 256 +r128 - h2o 256: -0.0200") and lines[0].endswith("met")
+    assert lines[1].startswith("- h2o 256 +r128 - h2o 384: +0.0100") and lines[1].endswith("MISSED")
