@@ -321,7 +321,14 @@ def _block_tokens(blocks: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """buffer[l, h, index[l, h, j]] over the token axis (dim 2), trailing dims kept."""
+    """buffer[l, h, index[l, h, j]] over the token axis (dim 2), trailing dims kept.
+
+    Vectors ([L, H, n, D] storage) are taken whole by one index_select: a gather would read an index
+    as large as the keys it returns."""
     if buffer.dim() == 4:
-        index = index[..., None].expand(-1, -1, -1, buffer.shape[-1])
+        if not buffer.is_contiguous():
+            return buffer.gather(2, index[..., None].expand(-1, -1, -1, buffer.shape[-1]))
+        layers, heads, n, dim = buffer.shape
+        rows = torch.arange(layers * heads, device=index.device).view(layers, heads, 1) * n
+        return buffer.view(-1, dim).index_select(0, (index + rows).flatten()).view(*index.shape, dim)
     return buffer.gather(2, index)
