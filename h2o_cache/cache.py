@@ -98,6 +98,7 @@ class H2OCache:
         self.config = config
         self.policy = get_policy(config.policy)
         self._keys = self._values = self._rotated = self._scores = self._origins = self._pinned = None
+        self._keeps_scratch = False  # see `reserve`
         self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`_kept`)
         self.archives: list[Archive | None] = []
         self.recalled: list[int] = []
@@ -172,9 +173,15 @@ class H2OCache:
         if self._pinned is not None:
             self._pinned[:, dst, :, length:] = False
 
-    def reserve(self, rows: int, capacity: int) -> None:
-        """Allocate room for `rows` rows of `capacity` tokens now, so no later pass reallocates."""
+    def reserve(self, rows: int, capacity: int, scratch: bool = False) -> None:
+        """Allocate room for `rows` rows of `capacity` tokens now, so no later pass reallocates.
+
+        scratch: also keep an eviction's working storage between evictions (at most one buffer's
+        keys), for a batch cache that evicts every few steps: on the CPU a fresh tensor of that size
+        costs its page faults at every eviction. Other caches allocate it per eviction.
+        """
         self._reserve(rows, capacity)
+        self._keeps_scratch = self._keeps_scratch or scratch
 
     def buffers(self) -> CacheBuffers:
         """The storage, for the fast path; reallocated only when a pass needs more rows or tokens."""
@@ -390,12 +397,13 @@ class H2OCache:
 
     def _kept(self, buffer: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
         """buffer[l, rows[i], h, index[l, i, h, j]], i.e. the vectors `index` keeps ([L, rows, H, width]),
-        as [L, rows, H, width, D] in the eviction scratch: valid until the next call.
+        as [L, rows, H, width, D]; in the eviction scratch (`reserve`) when the cache keeps one, so
+        valid until the next call.
 
-        One index_select of whole D-vectors into storage that lives as long as the cache: a gather
-        with the index expanded to every channel reads 2 index bytes per data byte, and a fresh
-        tensor of this size costs its page faults at every eviction on the CPU (measured for the
-        keys of 8 rows at 384 slots: 117 ms for the gather, 15 ms for this, one thread).
+        One index_select of whole D-vectors: a gather with the index expanded to every channel reads
+        2 index bytes per data byte. Measured for the keys of 8 rows at 384 slots, one thread: 117 ms
+        for that gather into a fresh tensor, 58 ms for index_select into a fresh tensor (page faults),
+        15 ms into the scratch.
         """
         spec = self.spec
         layers, rows_capacity, heads, capacity, dim = buffer.shape
@@ -403,6 +411,8 @@ class H2OCache:
         vectors = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
                    + torch.tensor(rows, device=device)[None, :, None]) * heads + torch.arange(heads, device=device)
         flat = (index + vectors[..., None] * capacity).flatten()
+        if not self._keeps_scratch:
+            return buffer.view(-1, dim).index_select(0, flat).view(*index.shape, dim)
         if self._scratch is None or self._scratch.numel() < flat.numel() * dim:
             self._scratch = torch.empty(flat.numel() * dim, device=device, dtype=spec.dtype)
         out = self._scratch[:flat.numel() * dim].view(-1, dim)
@@ -535,6 +545,6 @@ class H2OCache:
         return sum(a.nbytes for a in archives if a is not None)
 
     def allocated_bytes(self) -> int:
-        """Bytes of the buffers and of the eviction's scratch (at most one buffer's keys)."""
+        """Bytes of the buffers and of the eviction's scratch, when the cache keeps one (`reserve`)."""
         scratch = [self._scratch] if self._scratch is not None else []
         return sum(t.numel() * t.element_size() for t in self._buffers() + scratch)

@@ -46,7 +46,8 @@ class StaticDecoder:
         device = self.spec.device
         self.cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.cache = H2OCache(self.spec, config)
-        self.cache.reserve(max_rows, config.budget + config.recall_budget + 1)  # recalled tokens sit on top
+        # recalled tokens sit on top of the budget; the batch evicts every few steps: keep the scratch
+        self.cache.reserve(max_rows, config.budget + config.recall_budget + 1, scratch=True)
         self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
         # tokens, slots and origins; with rolling a new token's RoPE position is its slot

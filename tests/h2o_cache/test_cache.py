@@ -128,6 +128,31 @@ def test_batched_rows_equal_single_rows_under_eviction(tiny_model):
             assert torch.allclose(mine.double(), theirs.double(), atol=1e-5), name
 
 
+def test_a_kept_eviction_scratch_changes_nothing_but_allocations(tiny_model):
+    """A batch cache reserved with scratch=True (the static decoder's) evicts exactly as one without,
+    whichever rows cross the budget together, and allocates nothing more once full."""
+    config = CacheConfig(policy="h2o", budget=12, evict_slack=3, recall_budget=4, recall_block=2)
+    spec = model_spec(tiny_model)
+    plain, kept = H2OCache(spec, config, rows=3), H2OCache(spec, config, rows=3)
+    kept.reserve(3, 20, scratch=True)
+    gen = torch.Generator().manual_seed(9)
+    allocated = []
+    for step in range(30):
+        n_new = [1 + (step + row) % 3 for row in range(3)]  # rows cross the budget at different steps
+        ids = torch.randint(3, 128, (3, max(n_new)), generator=gen)
+        for cache in (plain, kept):
+            forward(tiny_model, cache, ids, n_new)
+        assert plain.lengths == kept.lengths
+        for row, n in enumerate(plain.lengths):
+            for name in ("keys", "values", "rotated", "scores", "origins"):
+                mine, theirs = getattr(plain.buffers(), name)[:, row, :, :n], getattr(kept.buffers(), name)[:, row, :, :n]
+                assert torch.equal(mine, theirs), (step, row, name)
+        assert plain.archived_tokens() == kept.archived_tokens()
+        allocated.append(kept.allocated_bytes())
+    assert kept._scratch is not None and plain._scratch is None
+    assert len(set(allocated[10:])) == 1
+
+
 def test_pop_and_extend_move_rows_without_changing_them(tiny_model):
     config = CacheConfig(policy="h2o", budget=10)
     spec = model_spec(tiny_model)
