@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from h2o_cache.eviction import take_vectors
+
 _FIELDS = ("keys", "values", "scores", "origins")
 SPREAD = 8  # neighbours on each side whose votes a position shares
 # Blocks per recalled block that the exact logits rank (second stage of `select`). Measured on ten
@@ -321,14 +323,11 @@ def _block_tokens(blocks: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """buffer[l, h, index[l, h, j]] over the token axis (dim 2), trailing dims kept.
-
-    Vectors ([L, H, n, D] storage) are taken whole by one index_select: a gather would read an index
-    as large as the keys it returns."""
+    """buffer[l, h, index[l, h, j]] over the token axis (dim 2), trailing dims kept; the archive's own
+    [L, H, n, D] storage by whole vectors (`take_vectors`)."""
     if buffer.dim() == 4:
         if not buffer.is_contiguous():
             return buffer.gather(2, index[..., None].expand(-1, -1, -1, buffer.shape[-1]))
-        layers, heads, n, dim = buffer.shape
-        rows = torch.arange(layers * heads, device=index.device).view(layers, heads, 1) * n
-        return buffer.view(-1, dim).index_select(0, (index + rows).flatten()).view(*index.shape, dim)
+        layers, heads, n, _ = buffer.shape
+        return take_vectors(buffer, torch.arange(layers * heads, device=index.device).view(layers, heads, 1) * n, index)
     return buffer.gather(2, index)

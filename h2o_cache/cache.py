@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from h2o_cache.archive import Archive
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import CacheBuffers
-from h2o_cache.eviction import accumulate_scores, keep_indices
+from h2o_cache.eviction import accumulate_scores, keep_indices, take_vectors
 from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable, rotate_into, unrotate
 
@@ -380,7 +380,12 @@ class H2OCache:
         if scores is not None:
             self._scores[:, picked, :, :target] = scores.gather(3, index)
         self._origins[:, picked, :, :target] = self._origins[:, picked, :, :longest].gather(3, index)
-        kept_keys = self._kept(self._keys, rows, index)
+        # index's row (l, rows[i], h) starts at vector ((l * R + rows[i]) * H + h) * capacity of a buffer
+        layers, rows_capacity, heads, capacity, _ = self._keys.shape
+        starts = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
+                  + torch.tensor(rows, device=device)[None, :, None]) * heads + torch.arange(heads, device=device)
+        starts = starts[..., None] * capacity
+        kept_keys = self._kept(self._keys, starts, index)
         if self.config.rolling:
             # Slots moved: every kept key takes the RoPE rotation of its new slot.
             cos, sin = spec.rope.get(target)
@@ -391,33 +396,23 @@ class H2OCache:
                 rotate_into(rotated, kept_keys, cos, sin)
                 self._rotated[:, picked, :, :target] = rotated
         self._keys[:, picked, :, :target] = kept_keys
-        self._values[:, picked, :, :target] = self._kept(self._values, rows, index)
+        self._values[:, picked, :, :target] = self._kept(self._values, starts, index)
         for row, n in zip(rows, keep):
             self.lengths[row] = n
 
-    def _kept(self, buffer: torch.Tensor, rows: list[int], index: torch.Tensor) -> torch.Tensor:
-        """buffer[l, rows[i], h, index[l, i, h, j]], i.e. the vectors `index` keeps ([L, rows, H, width]),
-        as [L, rows, H, width, D]; in the eviction scratch (`reserve`) when the cache keeps one, so
-        valid until the next call.
-
-        One index_select of whole D-vectors: a gather with the index expanded to every channel reads
-        2 index bytes per data byte. Measured for the keys of 8 rows at 384 slots, one thread: 117 ms
-        for that gather into a fresh tensor, 58 ms for index_select into a fresh tensor (page faults),
-        15 ms into the scratch.
+    def _kept(self, buffer: torch.Tensor, starts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The vectors `index` ([L, rows, H, width]) keeps of `buffer`, [L, rows, H, width, D]
+        (`take_vectors`); in the eviction scratch (`reserve`) when the cache keeps one, so valid until
+        the next call. Measured for the keys of 8 rows at 384 slots, one thread: 117 ms for a gather
+        with the index expanded to every channel into a fresh tensor, 58 ms for index_select into a
+        fresh tensor (page faults), 15 ms into the scratch.
         """
-        spec = self.spec
-        layers, rows_capacity, heads, capacity, dim = buffer.shape
-        device = buffer.device
-        vectors = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
-                   + torch.tensor(rows, device=device)[None, :, None]) * heads + torch.arange(heads, device=device)
-        flat = (index + vectors[..., None] * capacity).flatten()
         if not self._keeps_scratch:
-            return buffer.view(-1, dim).index_select(0, flat).view(*index.shape, dim)
-        if self._scratch is None or self._scratch.numel() < flat.numel() * dim:
-            self._scratch = torch.empty(flat.numel() * dim, device=device, dtype=spec.dtype)
-        out = self._scratch[:flat.numel() * dim].view(-1, dim)
-        torch.index_select(buffer.view(-1, dim), 0, flat, out=out)
-        return out.view(*index.shape, dim)
+            return take_vectors(buffer, starts, index)
+        size = index.numel() * buffer.shape[-1]
+        if self._scratch is None or self._scratch.numel() < size:
+            self._scratch = torch.empty(size, device=buffer.device, dtype=buffer.dtype)
+        return take_vectors(buffer, starts, index, out=self._scratch)
 
     def _archive(self, rows: list[int], index: torch.Tensor, lengths: torch.Tensor, keep: list[int], longest: int) -> None:
         """Move what an eviction drops to each row's archive: per layer and head, the slots below the

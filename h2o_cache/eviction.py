@@ -54,3 +54,21 @@ def accumulate_scores(
     if query_valid is not None:
         probs = probs * query_valid[:, None, None, :, None]
     return probs.sum(dim=(2, 3))
+
+
+def take_vectors(buffer: torch.Tensor, starts: torch.Tensor, index: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Vectors starts + index of a contiguous buffer [..., D] seen as [N, D], shaped [*index.shape, D].
+
+    starts: the vector offset of each of index's rows, broadcastable to index; out: flat storage of at
+    least index.numel() * D elements to write into, or None for a new tensor. One index_select of
+    whole D-vectors: a gather along the token axis would read an index as large as what it returns.
+    """
+    dim = buffer.shape[-1]
+    flat = (index + starts).flatten()
+    vectors = buffer.view(-1, dim)
+    if out is None:
+        return vectors.index_select(0, flat).view(*index.shape, dim)
+    out = out[:flat.numel() * dim].view(-1, dim)
+    torch.index_select(vectors, 0, flat, out=out)
+    return out.view(*index.shape, dim)
