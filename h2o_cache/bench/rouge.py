@@ -57,7 +57,15 @@ def report(results: dict[str, dict[str, torch.Tensor]], runs: list[Run], caption
         else:
             rows.append([run.label, *means, *(str(mean_difference(scores[m], full[m])) for m in METRICS)])
     headers = ["cache", *METRICS, *(f"{m} - full [95% CI]" for m in METRICS)]
-    return markdown_table(headers, rows, caption)
+    text = markdown_table(headers, rows, caption)
+    pairs = [(run.label, f"{other} {run.config.budget}") for run in runs if run.config.policy == "h2o"
+             for other in ("streaming", "local") if f"{other} {run.config.budget}" in results]
+    if pairs:
+        rows = [[f"{a} - {b}", *(str(mean_difference(results[a][m], results[b][m])) for m in METRICS)]
+                for a, b in pairs]
+        text += "\n\n" + markdown_table(["h2o - recency policy, same budget", *(f"{m} [95% CI]" for m in METRICS)],
+                                         rows, "Paired differences between policies at the same budget (positive: h2o better)")
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
