@@ -53,14 +53,16 @@ class Run:
     config: CacheConfig
 
 
-def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int) -> tuple[list[Item], int]:
-    """The first `limit` articles of the file whose prompt fits; also how many longer ones were skipped."""
+def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int,
+               min_prompt_tokens: int = 0) -> tuple[list[Item], int]:
+    """The first `limit` articles of the file whose prompt has `min_prompt_tokens` to `max_prompt_tokens`
+    tokens; also how many others were skipped."""
     items, skipped = [], 0
     with open(path) as f:
         for line in f:
             record = json.loads(line)
             prompt = gen.encode_chat([{"role": "user", "content": INSTRUCTION + record["document"].strip()}])
-            if len(prompt) > max_prompt_tokens:
+            if not min_prompt_tokens <= len(prompt) <= max_prompt_tokens:
                 skipped += 1
                 continue
             summary = record["summary"].strip()
@@ -68,6 +70,13 @@ def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int) -
             if len(items) == limit:
                 break
     return items, skipped
+
+
+def skipped_phrase(skipped: int, min_prompt_tokens: int, max_prompt_tokens: int) -> str:
+    """How a table's caption says which articles were left out."""
+    if min_prompt_tokens:
+        return f"{skipped} outside {min_prompt_tokens}-{max_prompt_tokens} tokens skipped"
+    return f"{skipped} longer than {max_prompt_tokens} skipped"
 
 
 @torch.no_grad()
@@ -215,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, default=data_path("xsum_dev.jsonl"), help="JSONL with `document` and `summary`")
     parser.add_argument("--limit", type=int, default=100, help="articles to score (file order)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip articles whose prompt is longer")
+    parser.add_argument("--min-prompt-tokens", type=int, default=0,
+                        help="skip articles whose prompt is shorter (e.g. 1025 with --max-prompt-tokens 8192: the long ones)")
     parser.add_argument("--policies", nargs="+", default=["h2o", "streaming", "local"], help="evicting policies")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="KV budgets")
     parser.add_argument("--sweep", action="store_true",
@@ -232,9 +243,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
-    items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens)
+    items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens, args.min_prompt_tokens)
     if not items:
-        sys.exit(f"no article of {args.data} has a prompt of at most {args.max_prompt_tokens} tokens")
+        sys.exit(f"no article of {args.data} has a prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
     runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets)
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
@@ -250,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [len(item.context) for item in items]
     caption = (f"Teacher-forced NLL of the reference summary, {len(items)} XSum articles of {args.data.name} "
                f"(prompts {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}; "
-               f"{skipped} longer than {args.max_prompt_tokens} skipped), {int(tokens.sum())} reference tokens; "
+               f"{skipped_phrase(skipped, args.min_prompt_tokens, args.max_prompt_tokens)}), "
+               f"{int(tokens.sum())} reference tokens; "
                f"differences in nats/token with 95% paired bootstrap CIs over articles")
     print(report(results, hits, tokens, runs, caption))
     if not args.sweep:

@@ -18,7 +18,7 @@ import torch
 
 from h2o_cache import Generator, SamplingParams
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
-from h2o_cache.bench.nll import Item, Run, grid, load_items
+from h2o_cache.bench.nll import Item, Run, grid, load_items, skipped_phrase
 from h2o_cache.bench.stats import mean_difference
 
 METRICS = ("rouge1", "rouge2", "rougeL")
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, default=data_path("xsum_dev.jsonl"), help="JSONL with `document` and `summary`")
     parser.add_argument("--limit", type=int, default=100, help="articles to summarize (file order)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip articles whose prompt is longer")
+    parser.add_argument("--min-prompt-tokens", type=int, default=0, help="skip articles whose prompt is shorter")
     parser.add_argument("--policies", nargs="+", default=["h2o", "streaming", "local"], help="evicting policies")
     parser.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256, 512], help="KV budgets")
     parser.add_argument("--batch", type=int, default=8, help="articles per forward pass")
@@ -82,9 +83,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
-    items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens)
+    items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens, args.min_prompt_tokens)
     if not items:
-        sys.exit(f"no article of {args.data} has a prompt of at most {args.max_prompt_tokens} tokens")
+        sys.exit(f"no article of {args.data} has a prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
     references = [item.reference for item in items]
     runs = grid(args.policies, args.budgets)
     results = {}
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     lengths = [len(item.context) for item in items]
     caption = (f"ROUGE F1 (stemmed) of greedy summaries (<= {args.max_new_tokens} tokens), {len(items)} XSum articles "
-               f"(prompts {min(lengths)}-{max(lengths)} tokens; {skipped} longer than {args.max_prompt_tokens} "
-               f"skipped); differences from full with 95% paired bootstrap CIs over articles")
+               f"(prompts {min(lengths)}-{max(lengths)} tokens; "
+               f"{skipped_phrase(skipped, args.min_prompt_tokens, args.max_prompt_tokens)}); "
+               f"differences from full with 95% paired bootstrap CIs over articles")
     print(report(results, runs, caption))
 
 

@@ -59,6 +59,9 @@ def test_load_items_skips_long_prompts_and_keeps_file_order(tiny_model, tmp_path
     loaded, skipped = load_items(Generator(tiny_model, ChatByteTokenizer()), path, limit=5, max_prompt_tokens=200)
     assert skipped == 1 and [len(i.target) for i in loaded] == [4, 4]
     assert len(loaded[0].context) < len(loaded[1].context)
+    long, skipped = load_items(Generator(tiny_model, ChatByteTokenizer()), path, limit=5, max_prompt_tokens=1000,
+                               min_prompt_tokens=len(loaded[1].context) + 1)
+    assert skipped == 2 and [i.reference for i in long] == ["b" * 4]  # only the long one
 
 
 def test_report_and_targets_compare_every_run_with_full_and_h2o_with_local():
