@@ -161,6 +161,45 @@ def sweep(budgets: list[int], heavy_ratios: list[float], sinks: list[int]) -> li
     ]
 
 
+def label_run(label: str) -> Run:
+    """The run a table row names (`full`, `h2o 256`, `h2o 128 heavy 0.75 sinks 0`, `h2o 256 +r128`),
+    with the policy and budget the report groups by."""
+    if label == "full":
+        return Run(label, CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))
+    policy, budget = label.split()[:2]
+    return Run(label, CacheConfig(policy=policy, budget=int(budget)))
+
+
+def merge(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, list[Run]]:
+    """The per-article results of several runs on the same articles (their `--json` files) as one grid:
+    (results, hits where saved, tokens, runs ordered full first, then by budget and policy)."""
+    results, hits, tokens = {}, {}, None
+    for path in paths:
+        saved = json.loads(path.read_text())
+        these = torch.tensor(saved["tokens"], dtype=torch.float64)
+        if tokens is None:
+            tokens = these
+        elif not torch.equal(tokens, these):
+            raise ValueError(f"{path} scored other articles than {paths[0]}")
+        for label, sums in saved["nll"].items():
+            sums = torch.tensor(sums, dtype=torch.float64)
+            if label in results:
+                # The same configuration twice (e.g. `full` in every file) must agree, or the files
+                # come from different articles, data or code.
+                if not torch.allclose(results[label], sums, rtol=1e-4):
+                    raise ValueError(f"{path}: {label} differs from the same run in an earlier file")
+                continue
+            results[label] = sums
+            if label in saved.get("hits", {}):
+                hits[label] = torch.tensor(saved["hits"][label], dtype=torch.int64)
+    if "full" not in results:
+        raise ValueError("no file has a run of `full`, which every difference is taken from")
+    order = {"full": -1, "h2o": 0, "streaming": 1, "local": 2}
+    runs = sorted((label_run(label) for label in results),
+                  key=lambda run: (run.label != "full", run.config.budget or 0, order.get(run.config.policy, 3), run.label))
+    return results, hits, tokens, runs
+
+
 def report(results: dict[str, torch.Tensor], hits: dict[str, torch.Tensor], tokens: torch.Tensor,
            runs: list[Run], caption: str) -> str:
     """One row per run: mean NLL/token, greedy hit rate, paired difference from full and (h2o) from the
@@ -172,8 +211,9 @@ def report(results: dict[str, torch.Tensor], hits: dict[str, torch.Tensor], toke
     for run in runs:
         nll = results[run.label]
         mean = nll.sum().item() / total
+        hit = hits[run.label].sum().item() / total if run.label in hits else ""  # merged files may lack it
         if run.label == "full":
-            rows.append([run.label, mean, hits[run.label].sum().item() / total, "0", "0%", "", ""])
+            rows.append([run.label, mean, hit, "0", "0%", "", ""])
             continue
         vs_full = ratio_of_sums_difference(nll, full, tokens)
         against = []
@@ -183,7 +223,7 @@ def report(results: dict[str, torch.Tensor], hits: dict[str, torch.Tensor], toke
                 against.append(str(ratio_of_sums_difference(nll, results[label], tokens)))
             else:
                 against.append("")
-        rows.append([run.label, mean, hits[run.label].sum().item() / total, str(vs_full),
+        rows.append([run.label, mean, hit, str(vs_full),
                      f"{vs_full.value / full_mean:+.1%}", *against])
     headers = ["cache", "NLL/token", "greedy hit", "vs full [95% CI]", "vs full", "h2o - local [95% CI]",
                "h2o - streaming [95% CI]"]
@@ -238,8 +278,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="budgets that also run with --recall (default: all of --budgets)")
     parser.add_argument("--batch", type=int, default=8, help="articles per forward pass")
     parser.add_argument("--json", type=Path, default=None, help="also write per-article NLL sums here")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="run nothing: report the `--json` files of earlier runs on the same articles as one table")
     add_model_args(parser)
     args = parser.parse_args(argv)
+    if args.merge:
+        try:
+            results, hits, tokens, runs = merge(args.merge)
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"cannot merge: {e}")
+        caption = (f"Teacher-forced NLL of the reference summary, {len(tokens)} XSum articles, {int(tokens.sum())} "
+                   f"reference tokens, {len(runs)} runs merged from {len(args.merge)} files; differences in "
+                   f"nats/token with 95% paired bootstrap CIs over articles")
+        print(report(results, hits, tokens, runs, caption))
+        print("\n".join(["", *targets(results, tokens, sorted({run.config.budget for run in runs if run.config.budget}))]))
+        return
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
@@ -257,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{run.label}: {results[run.label].sum().item() / tokens.sum().item():.4f} nats/token, "
               f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"tokens": tokens.tolist(), "nll": {k: v.tolist() for k, v in results.items()}}))
+        args.json.write_text(json.dumps({"tokens": tokens.tolist(), "nll": {k: v.tolist() for k, v in results.items()},
+                                         "hits": {k: v.tolist() for k, v in hits.items()}}))
     lengths = [len(item.context) for item in items]
     caption = (f"Teacher-forced NLL of the reference summary, {len(items)} XSum articles of {args.data.name} "
                f"(prompts {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}; "

@@ -116,3 +116,32 @@ def test_targets_compare_recall_with_h2o_alone_at_the_same_budget_and_the_same_s
     lines = [line for line in targets(results, tokens, [256, 384]) if "+r128" in line]
     assert lines[0].startswith("- h2o 256 +r128 - h2o 256: -0.0200") and lines[0].endswith("met")
     assert lines[1].startswith("- h2o 256 +r128 - h2o 384: +0.0100") and lines[1].endswith("MISSED")
+
+
+def test_merge_reports_runs_saved_by_separate_programs_as_one_grid(tmp_path, capsys):
+    from h2o_cache.bench import nll
+
+    tokens = [10.0, 20.0, 30.0]
+    full = [20.0, 40.0, 60.0]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"tokens": tokens, "nll": {"full": full, "local 256": [23.0, 46.0, 69.0]},
+                                 "hits": {"full": [5, 10, 15], "local 256": [4, 8, 12]}}))
+    second.write_text(json.dumps({"tokens": tokens, "nll": {"full": full, "h2o 256": [20.1, 40.2, 60.3],
+                                                            "h2o 64": [22.0, 44.0, 66.0]}}))
+    results, hits, merged_tokens, runs = nll.merge([first, second])
+    assert [run.label for run in runs] == ["full", "h2o 64", "h2o 256", "local 256"]  # by budget, then policy
+    assert set(hits) == {"full", "local 256"} and merged_tokens.tolist() == tokens
+    nll.main(["--merge", str(first), str(second)])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| h2o 256 |"))
+    assert "-0.2900 [-0.2900, -0.2900]" in row  # h2o - local, from two files, paired per article
+    assert "- h2o 256 vs full: +0.0100" in out
+
+    other = tmp_path / "c.json"  # another set of articles: refused, not silently paired
+    other.write_text(json.dumps({"tokens": [10.0, 20.0, 31.0], "nll": {"full": full}}))
+    with pytest.raises(ValueError, match="other articles"):
+        nll.merge([first, other])
+    drifted = tmp_path / "d.json"  # same token counts, different full: different data or code
+    drifted.write_text(json.dumps({"tokens": tokens, "nll": {"full": [21.0, 40.0, 60.0]}}))
+    with pytest.raises(ValueError, match="differs"):
+        nll.merge([first, drifted])
