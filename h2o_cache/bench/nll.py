@@ -170,17 +170,26 @@ def label_run(label: str) -> Run:
     return Run(label, CacheConfig(policy=policy, budget=int(budget)))
 
 
-def merge(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, list[Run]]:
-    """The per-article results of several runs on the same articles (their `--json` files) as one grid:
-    (results, hits where saved, tokens, runs ordered full first, then by budget and policy)."""
-    results, hits, tokens = {}, {}, None
+def merge(paths: list[Path], pool: bool = False
+          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, list[Run]]:
+    """The per-article results of several runs (their `--json` files) as one grid: (results, hits where
+    saved, tokens, runs ordered full first, then by budget and policy).
+
+    Files on the same articles are paired: their runs become one table. Files on other articles are
+    refused, unless `pool`: then each set of articles is merged on its own and the sets are pooled,
+    keeping the runs every set has (e.g. the short articles' grid plus the long ones at two budgets).
+    """
+    groups: list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
     for path in paths:
         saved = json.loads(path.read_text())
         these = torch.tensor(saved["tokens"], dtype=torch.float64)
-        if tokens is None:
-            tokens = these
-        elif not torch.equal(tokens, these):
-            raise ValueError(f"{path} scored other articles than {paths[0]}")
+        group = next((g for g in groups if torch.equal(g[0], these)), None)
+        if group is None:
+            if groups and not pool:
+                raise ValueError(f"{path} scored other articles than {paths[0]} (pool them with --pool)")
+            group = (these, {}, {})
+            groups.append(group)
+        _, results, hits = group
         for label, sums in saved["nll"].items():
             sums = torch.tensor(sums, dtype=torch.float64)
             if label in results:
@@ -192,8 +201,12 @@ def merge(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
             results[label] = sums
             if label in saved.get("hits", {}):
                 hits[label] = torch.tensor(saved["hits"][label], dtype=torch.int64)
-    if "full" not in results:
-        raise ValueError("no file has a run of `full`, which every difference is taken from")
+    labels = [label for label in groups[0][1] if all(label in g[1] for g in groups)]
+    if "full" not in labels:
+        raise ValueError("no run of `full` on every set of articles, which every difference is taken from")
+    tokens = torch.cat([g[0] for g in groups])
+    results = {label: torch.cat([g[1][label] for g in groups]) for label in labels}
+    hits = {label: torch.cat([g[2][label] for g in groups]) for label in labels if all(label in g[2] for g in groups)}
     order = {"full": -1, "h2o": 0, "streaming": 1, "local": 2}
     runs = sorted((label_run(label) for label in results),
                   key=lambda run: (run.label != "full", run.config.budget or 0, order.get(run.config.policy, 3), run.label))
@@ -280,11 +293,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write per-article NLL sums here")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="run nothing: report the `--json` files of earlier runs on the same articles as one table")
+    parser.add_argument("--pool", action="store_true",
+                        help="with --merge: files on different articles are pooled (the runs every set has)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     if args.merge:
         try:
-            results, hits, tokens, runs = merge(args.merge)
+            results, hits, tokens, runs = merge(args.merge, args.pool)
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"cannot merge: {e}")
         caption = (f"Teacher-forced NLL of the reference summary, {len(tokens)} XSum articles, {int(tokens.sum())} "

@@ -141,6 +141,10 @@ def test_merge_reports_runs_saved_by_separate_programs_as_one_grid(tmp_path, cap
     other.write_text(json.dumps({"tokens": [10.0, 20.0, 31.0], "nll": {"full": full}}))
     with pytest.raises(ValueError, match="other articles"):
         nll.merge([first, other])
+    other.write_text(json.dumps({"tokens": [40.0], "nll": {"full": [80.0], "h2o 256": [84.0]}}))
+    results, _, pooled, runs = nll.merge([first, second, other], pool=True)  # two sets of articles
+    assert [run.label for run in runs] == ["full", "h2o 256"]  # only what both sets ran
+    assert pooled.tolist() == tokens + [40.0] and results["h2o 256"].tolist() == [20.1, 40.2, 60.3, 84.0]
     drifted = tmp_path / "d.json"  # same token counts, different full: different data or code
     drifted.write_text(json.dumps({"tokens": tokens, "nll": {"full": [21.0, 40.0, 60.0]}}))
     with pytest.raises(ValueError, match="differs"):
