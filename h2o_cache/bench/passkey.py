@@ -216,6 +216,27 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["cell", "prompt tokens", *args.caches], rows,
                          f"Recall of a {what} ({mode}), {args.keys} per cell, greedy after a forced opening; "
                          f"model window {window}"))
+    if args.chat is None:
+        deep = [label for label, _, _ in cells if float(label.rsplit(" ", 1)[1].rstrip("%")) >= 50]
+        lines = targets({spec: [accuracy[(spec, label)] for label in deep] for spec in args.caches})
+        if lines:
+            print("\n".join(["", *lines]))
+
+
+def targets(deep: dict[str, list[float | None]]) -> list[str]:
+    """The issue's goal, per evicting cache: accuracy at depths >= 50% within 10 points of full's."""
+    if "full" not in deep or any(a is None for a in deep["full"]) or not deep["full"]:
+        return []
+    ceiling = sum(deep["full"]) / len(deep["full"])
+    lines = []
+    for spec, accuracies in deep.items():
+        if spec == "full" or any(a is None for a in accuracies):
+            continue
+        mean = sum(accuracies) / len(accuracies)
+        gap = round(100 * (ceiling - mean))
+        lines.append(f"- {spec} at depths >= 50%: {mean:.2f} against full's {ceiling:.2f}, {gap} points below "
+                     f"(goal: within 10): {'met' if gap <= 10 else 'MISSED'}")
+    return lines
 
 
 def _mean(values: list[float | None]) -> str:

@@ -1,7 +1,7 @@
 import pytest
 
 from h2o_cache import Generator
-from h2o_cache.bench.passkey import answer_tokens, cache_config, chat_prompt, recalled, secrets, single_prompt
+from h2o_cache.bench.passkey import answer_tokens, cache_config, chat_prompt, recalled, secrets, single_prompt, targets
 from tests.conftest import ByteTokenizer
 
 
@@ -78,3 +78,13 @@ def test_a_chat_through_a_recalling_cache_recalls_at_its_user_turns(gen, monkeyp
     monkeypatch.setattr(Generator, "recall", lambda self, cache, pieces: calls.append(1) or original(self, cache, pieces))
     hits = recalled(gen, cache_config("h2o:64+r32"), [], chats, batch=2)
     assert 0 <= hits <= 2 and len(calls) >= 2  # the archive fills after the first turn
+
+
+def test_targets_compare_each_cache_with_full_at_the_deep_cells():
+    lines = targets({"full": [1.0, 1.0, 0.9], "h2o:256": [0.9, 0.9, 0.8], "local:256": [0.0, 0.1, 0.9],
+                     "h2o:1024": [None, 1.0, 1.0]})
+    assert lines == [
+        "- h2o:256 at depths >= 50%: 0.87 against full's 0.97, 10 points below (goal: within 10): met",
+        "- local:256 at depths >= 50%: 0.33 against full's 0.97, 63 points below (goal: within 10): MISSED",
+    ]  # a cache with a cell it could not run is left out, not compared on part of the cells
+    assert targets({"h2o:256": [0.5]}) == [] and targets({"full": [None], "h2o:256": [0.5]}) == []

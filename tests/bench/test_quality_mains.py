@@ -29,6 +29,7 @@ def test_passkey_prints_every_cell_for_every_cache(tiny_dir, capsys):
                   "--keys", "2", "--caches", "full", "h2o:64"])
     out = capsys.readouterr().out
     assert "| 128 tok, depth 0% |" in out and "| 128 tok, depth 50% |" in out and "| mean |" in out
+    assert "- h2o:64 at depths >= 50%: " in out  # the goal, checked on the one deep cell
     passkey.main(["--model", tiny_dir, "--text", str(text), "--chat", "1", "--keys", "2", "--fact", "--caches", "h2o:64"])
     assert "| 1 turns |" in capsys.readouterr().out
 
