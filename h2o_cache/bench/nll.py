@@ -17,6 +17,10 @@ chunks; the full cache takes chunks of 512, which does not change its result.
 as the server feeds a user turn (its last `recall_probe` tokens probe the archive of what the rest
 evicted, and the blocks they point at come back for the reply). Its rows are compared with h2o
 alone at the same budget and, when that budget is in the grid, at budget + N: the same cache slots.
+
+`--json` saves each run's per-article results; `--merge` reports several such files as one paired
+table (the grid run in parts, e.g. one budget per program), and `--pool` adds files on other articles
+(the articles over 1024 tokens, scored with `--min-prompt-tokens 1025 --max-prompt-tokens 8192`).
 """
 
 from __future__ import annotations
