@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"reference tokens, {len(runs)} runs merged from {len(args.merge)} files; differences in "
                    f"nats/token with 95% paired bootstrap CIs over articles")
         print(report(results, hits, tokens, runs, caption))
-        print("\n".join(["", *targets(results, tokens, sorted({run.config.budget for run in runs if run.config.budget}))]))
+        lines = targets(results, tokens, sorted({run.config.budget for run in runs if run.config.budget}))
+        print("\n".join(["", *lines, *sweep_differences(results, tokens)]))
         return
 
     model, tokenizer = load(args)
@@ -338,8 +339,22 @@ def main(argv: list[str] | None = None) -> None:
                f"{int(tokens.sum())} reference tokens; "
                f"differences in nats/token with 95% paired bootstrap CIs over articles")
     print(report(results, hits, tokens, runs, caption))
-    if not args.sweep:
-        print("\n".join(["", *targets(results, tokens, args.budgets)]))
+    lines = sweep_differences(results, tokens) if args.sweep else targets(results, tokens, args.budgets)
+    print("\n".join(["", *lines]))
+
+
+def sweep_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor) -> list[str]:
+    """Each swept setting against the default (heavy 0.5, no sinks) at the same budget, paired per article."""
+    lines = []
+    for label in results:
+        parts = label.split()
+        if len(parts) != 6 or parts[2] != "heavy":
+            continue
+        default = f"h2o {parts[1]} heavy 0.5 sinks 0"
+        if label != default and default in results:
+            diff = ratio_of_sums_difference(results[label], results[default], tokens)
+            lines.append(f"- {label} - {default}: {diff} nats/token (negative: better than the default)")
+    return lines
 
 
 if __name__ == "__main__":

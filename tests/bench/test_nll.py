@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.nll import Item, grid, load_items, report, score, score_batched, sweep, targets
+from h2o_cache.bench.nll import Item, grid, load_items, report, score, score_batched, sweep, sweep_differences, targets
 from tests.conftest import ByteTokenizer
 
 
@@ -149,3 +149,13 @@ def test_merge_reports_runs_saved_by_separate_programs_as_one_grid(tmp_path, cap
     drifted.write_text(json.dumps({"tokens": tokens, "nll": {"full": [21.0, 40.0, 60.0]}}))
     with pytest.raises(ValueError, match="differs"):
         nll.merge([first, drifted])
+
+
+def test_sweep_differences_pair_each_setting_with_the_default_at_its_budget():
+    tokens = torch.tensor([10.0, 20.0, 30.0])
+    full = torch.tensor([20.0, 40.0, 60.0])
+    results = {"full": full, "h2o 128 heavy 0.5 sinks 0": full + tokens * 0.2,
+               "h2o 128 heavy 0.75 sinks 0": full + tokens * 0.1, "h2o 256 heavy 0.75 sinks 4": full}
+    assert sweep_differences(results, tokens) == [
+        "- h2o 128 heavy 0.75 sinks 0 - h2o 128 heavy 0.5 sinks 0: -0.1000 [-0.1000, -0.1000] nats/token "
+        "(negative: better than the default)"]  # 256 has no default run to pair with
