@@ -156,10 +156,14 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
     return runs
 
 
+def sweep_label(budget: int, heavy_ratio: float, sinks: int) -> str:
+    return f"h2o {budget} heavy {heavy_ratio:g} sinks {sinks}"
+
+
 def sweep(budgets: list[int], heavy_ratios: list[float], sinks: list[int]) -> list[Run]:
     """h2o's settings users choose: heavy-hitter share and sink tokens, per budget."""
     return [
-        Run(f"h2o {budget} heavy {ratio:g} sinks {s}",
+        Run(sweep_label(budget, ratio, s),
             CacheConfig(policy="h2o", budget=budget, heavy_ratio=ratio, sink_tokens=s, prefill_chunk=max(1, budget // 4)))
         for budget in budgets for ratio in heavy_ratios for s in sinks
     ]
@@ -211,7 +215,7 @@ def merge(paths: list[Path], pool: bool = False
     tokens = torch.cat([g[0] for g in groups])
     results = {label: torch.cat([g[1][label] for g in groups]) for label in labels}
     hits = {label: torch.cat([g[2][label] for g in groups]) for label in labels if all(label in g[2] for g in groups)}
-    order = {"full": -1, "h2o": 0, "streaming": 1, "local": 2}
+    order = {"h2o": 0, "streaming": 1, "local": 2}
     runs = sorted((label_run(label) for label in results),
                   key=lambda run: (run.label != "full", run.config.budget or 0, order.get(run.config.policy, 3), run.label))
     return results, hits, tokens, runs
@@ -344,13 +348,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def sweep_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor) -> list[str]:
-    """Each swept setting against the default (heavy 0.5, no sinks) at the same budget, paired per article."""
+    """Each swept setting against h2o's defaults (`CacheConfig`'s heavy ratio, no sinks) at the same
+    budget, paired per article."""
     lines = []
     for label in results:
         parts = label.split()
         if len(parts) != 6 or parts[2] != "heavy":
             continue
-        default = f"h2o {parts[1]} heavy 0.5 sinks 0"
+        default = sweep_label(int(parts[1]), CacheConfig.heavy_ratio, 0)
         if label != default and default in results:
             diff = ratio_of_sums_difference(results[label], results[default], tokens)
             lines.append(f"- {label} - {default}: {diff} nats/token (negative: better than the default)")

@@ -187,14 +187,16 @@ def main(argv: list[str] | None = None) -> None:
     planted = secrets(args.keys, args.fact, args.seed)
     if args.chat is not None:
         words = text.split()[FILLER_START // 2:]
-        cells = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat]
+        cells, deep = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat], []
     else:
         filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
-        cells = []
+        cells, deep = [], []  # deep: the cells of the goal, depths >= 50%
         for length in args.lengths:
             for depth in args.depths:
                 probes = [single_prompt(gen, filler[:length], s, depth) for s in planted]
                 cells.append((f"{length} tok, depth {depth:.0%}", probes[0][0], [item for _, item in probes]))
+                if depth >= 0.5:
+                    deep.append(cells[-1][0])
     accuracy: dict[tuple[str, str], float | None] = {}
     for spec in args.caches:
         config = cache_config(spec)
@@ -216,11 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["cell", "prompt tokens", *args.caches], rows,
                          f"Recall of a {what} ({mode}), {args.keys} per cell, greedy after a forced opening; "
                          f"model window {window}"))
-    if args.chat is None:
-        deep = [label for label, _, _ in cells if float(label.rsplit(" ", 1)[1].rstrip("%")) >= 50]
-        lines = targets({spec: [accuracy[(spec, label)] for label in deep] for spec in args.caches})
-        if lines:
-            print("\n".join(["", *lines]))
+    lines = targets({spec: [accuracy[(spec, label)] for label in deep] for spec in args.caches})
+    if lines:
+        print("\n".join(["", *lines]))
 
 
 def targets(deep: dict[str, list[float | None]]) -> list[str]:
