@@ -14,10 +14,12 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     H2O_STATE_DIR=/state
 
 # CUDA base images have no python3 (Ubuntu's lacks ensurepip until python3-venv); a no-op on python:*-slim.
+# g++ builds the CPU decode step's quantized kernel (h2o_cache/kernels), 2-3x faster decoding on CPUs.
 RUN if ! python3 -c "import ensurepip" >/dev/null 2>&1; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
+    && apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 app \
     && mkdir -p /app /out /state && chown app /out /state
 
@@ -39,8 +41,9 @@ RUN .venv/bin/pip install -q -e .
 RUN .venv/bin/pip install -q -e ".[clients]"
 
 USER app
-# Fail the build, not the first request, if the baked-in model cannot load without a network.
-RUN python -c "from h2o_cache import load_model; load_model()"
+# Fail the build, not the first request, if the baked-in model cannot load without a network;
+# build the quantized kernel now (into the app user's cache) rather than at the first start.
+RUN python -c "from h2o_cache import load_model; from h2o_cache.quantized import kernel; load_model(); assert kernel()"
 
 # Conversations persist here (--state-dir); mount a volume to keep them across containers.
 VOLUME /state

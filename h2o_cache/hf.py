@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from h2o_cache.cache import H2OCache, ModelSpec, Probe
 from h2o_cache.decode import DecoderWeights, LayerWeights
+from h2o_cache.quantized import QuantizedMatrix
 from h2o_cache.rope import RopeTable
 
 ATTENTION_NAME = "h2o"
@@ -187,8 +188,11 @@ _LAYER_PARTS = {
 }
 
 
-def decoder_weights(model: PreTrainedModel) -> DecoderWeights:
+def decoder_weights(model: PreTrainedModel, packed: dict[int, QuantizedMatrix] | None = None) -> DecoderWeights:
     """The weights of a plain Llama-architecture model for `decode.decode_step`, q/k/v and gate/up fused.
+
+    packed: quantized forms of some of the model's matrices, keyed by `id()` of the parameter
+    (`quantized.gguf_matrices`); those replace the dense ones, fused parts only when all are packed alike.
 
     Raises UnsupportedModelError for a layer with anything Llama's lacks (q/k norms, extra
     projections, non-RMS norms), so a caller can fall back to the transformers path.
@@ -208,19 +212,19 @@ def decoder_weights(model: PreTrainedModel) -> DecoderWeights:
         attn, mlp = layer.self_attn, layer.mlp
         layers.append(LayerWeights(
             input_norm=layer.input_layernorm.weight,
-            qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv=_fused(packed, attn.q_proj, attn.k_proj, attn.v_proj),
             qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-            o=attn.o_proj.weight.detach(), o_bias=attn.o_proj.bias,
+            o=_weight(packed, attn.o_proj.weight), o_bias=attn.o_proj.bias,
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_fused(mlp.gate_proj, mlp.up_proj),
+            gate_up=_fused(packed, mlp.gate_proj, mlp.up_proj),
             gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-            down=mlp.down_proj.weight.detach(), down_bias=mlp.down_proj.bias,
+            down=_weight(packed, mlp.down_proj.weight), down_bias=mlp.down_proj.bias,
         ))
     return DecoderWeights(
         embed=decoder.embed_tokens.weight,
         layers=layers,
         norm=decoder.norm.weight,
-        lm_head=model.get_output_embeddings().weight.detach(),
+        lm_head=_weight(packed, model.get_output_embeddings().weight),
         num_heads=config.num_attention_heads,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
@@ -237,8 +241,15 @@ def _plain_function(act):
     return act
 
 
-def _fused(*linears) -> torch.Tensor:
+def _weight(packed: dict[int, QuantizedMatrix] | None, weight: torch.Tensor) -> torch.Tensor | QuantizedMatrix:
+    return (packed or {}).get(id(weight), weight.detach())
+
+
+def _fused(packed: dict[int, QuantizedMatrix] | None, *linears) -> torch.Tensor | QuantizedMatrix:
     """Weights of linears applied to the same input, stacked: [sum of out, in]."""
+    parts = [(packed or {}).get(id(linear.weight)) for linear in linears]
+    if all(parts) and (fused := QuantizedMatrix.cat(parts)) is not None:
+        return fused
     return torch.cat([linear.weight.detach() for linear in linears])
 
 

@@ -58,6 +58,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
 
     model: None for the embedded default, a Hugging Face model directory, or a .gguf file path.
     Nothing is ever downloaded: hub names are refused (HF_HUB_OFFLINE is forced on).
+    A model read from a GGUF file records its path as `model.gguf_path`: the CPU decode step reads
+    the file's quantized matrices from it (`quantized.gguf_matrices`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,15 +69,17 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a local directory or .gguf file)")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    gguf_path = None
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf model")
         kwargs = {"gguf_file": path.name}
-        path = path.parent
+        gguf_path, path = path, path.parent
     else:
         kwargs = {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs).to(torch_device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    lm.gguf_path = gguf_path
     return lm, tokenizer

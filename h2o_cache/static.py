@@ -6,6 +6,10 @@ its pending token through `decode.decode_step`, padded to a bucket of 1, 2, 4, .
 inputs reach the device in one upload. On CUDA each bucket's step is captured once as a CUDA graph and replayed
 (as in nano-vllm); elsewhere it runs eagerly, still without per-layer Python bookkeeping.
 
+On the CPU, a model loaded from a GGUF file multiplies by the file's own Q4_1 / Q8_0 blocks
+(`quantized.py`) in buckets of up to `QUANTIZED_MAX_ROWS` rows: the step reads 5-6x fewer bytes
+than the fp32 weights, and the weights it uses are the same fp32 values.
+
 Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
 budget, with the same ops as the transformers path, so both paths keep the same tokens.
 """
@@ -18,6 +22,11 @@ from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import decode_step
 from h2o_cache.hf import decoder_weights, model_spec
+from h2o_cache.quantized import gguf_matrices, kernel
+
+# Above this many rows MKL's fp32 products beat the quantized kernel on a 2-core AVX2 CPU
+# (`python -m h2o_cache.bench.speed --only fast-vs-eager`).
+QUANTIZED_MAX_ROWS = 16
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -33,13 +42,27 @@ class StaticDecoder:
     hold exactly one pending token when `step` runs. Requires an evicting policy with position
     rolling (the fixed shape and the bounded RoPE positions are what make the step static).
     cuda_graphs: None captures them on CUDA devices only.
+    quantized: multiply by the GGUF file's quantized matrices (`model.gguf_path`) in buckets of at
+    most QUANTIZED_MAX_ROWS rows; None does where it can (an fp32 model on the CPU, from a GGUF file
+    with Q4_1 / Q8_0 matrices, and a compiled kernel).
     """
 
-    def __init__(self, model, config: CacheConfig, max_rows: int, cuda_graphs: bool | None = None):
+    def __init__(self, model, config: CacheConfig, max_rows: int, cuda_graphs: bool | None = None,
+                 quantized: bool | None = None):
         if not config.rolling:
             raise ValueError(f"static decode needs an evicting policy with position rolling, not {config.describe()}")
         self.spec = model_spec(model)
         self.weights = decoder_weights(model)
+        self.quantized_weights = None
+        gguf_path = getattr(model, "gguf_path", None)
+        if quantized is None:
+            quantized = self.spec.device.type == "cpu" and gguf_path is not None and kernel() is not None
+        if quantized:
+            if gguf_path is None or kernel() is None:
+                raise ValueError("quantized decoding needs a model loaded from a GGUF file and the compiled kernel")
+            packed = gguf_matrices(gguf_path, model)
+            if packed:
+                self.quantized_weights = decoder_weights(model, packed)
         self.config = config
         self.max_rows = max_rows
         self.buckets = buckets(max_rows)
@@ -93,7 +116,10 @@ class StaticDecoder:
 
     def _run(self, bucket: int) -> torch.Tensor:
         tokens, slots, origins = self._inputs[:, :bucket]
-        return decode_step(self.weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin)
+        weights = self.weights
+        if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
+            weights = self.quantized_weights
+        return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin)
 
     def _capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the

@@ -17,7 +17,8 @@ class ModelRunner:
     """Prefills chunks of several waiting sequences in one pass and decodes the running batch.
 
     Both return the sampled tokens of the whole batch (one sampler op, one device-to-host copy).
-    The decode step takes the fast path (`StaticDecoder`: a fixed-shape step, CUDA graphs on a GPU)
+    The decode step takes the fast path (`StaticDecoder`: a fixed-shape step, CUDA graphs on a GPU,
+    the GGUF file's quantized matrices on a CPU)
     unless `enforce_eager` is set or the cache cannot take it (`full` policy, no position rolling,
     a model that is not plain Llama); then the transformers path runs it.
 
@@ -30,6 +31,8 @@ class ModelRunner:
         if not enforce_eager:
             try:
                 self.decoder = StaticDecoder(generator.model, generator.config, max_batch_size)
+                log.info("decoding on the fast path%s", " with the GGUF file's quantized matrices"
+                         if self.decoder.quantized_weights is not None else "")
             except (ValueError, UnsupportedModelError) as reason:
                 log.info("decoding on the transformers path: %s", reason)
         self.batch: H2OCache = self.decoder.cache if self.decoder else generator.new_cache(0)

@@ -1,5 +1,7 @@
 import math
 
+import torch
+
 from h2o_cache import Generator
 from h2o_cache import CacheConfig, StaticDecoder
 from h2o_cache.bench.speed import fast_table, measure, measure_fast, scenarios, table
@@ -15,14 +17,18 @@ def test_measure_times_every_scenario_and_batch(tiny_model, byte_tokenizer):
     assert all(line.endswith(("| met |", "| MISSED |")) for line in lines[4:])
 
 
-def test_measure_fast_times_both_paths_while_rows_evict(tiny_model, byte_tokenizer):
+def test_measure_fast_times_every_decoder_while_rows_evict(tiny_model, byte_tokenizer):
     gen = Generator(tiny_model, byte_tokenizer)
-    decoder = StaticDecoder(tiny_model, CacheConfig(budget=32), max_rows=3)
-    timings = [measure_fast(gen, decoder, b, reps=2, steps=4, warmup=1) for b in (1, 3)]
+    config = CacheConfig(budget=32)
+    decoders = {"fast": StaticDecoder(tiny_model, config, max_rows=3), "other": StaticDecoder(tiny_model, config, max_rows=3)}
+    timings = [measure_fast(gen, decoders, b, reps=2, steps=4, warmup=1) for b in (1, 3)]
     for t in timings:
-        assert all(math.isfinite(x) and x > 0 for x in (t.eager_ms, t.fast_ms, t.ratio))
-    assert decoder.cache.batch_size == 3 and max(decoder.cache.seen) > 32 + 4  # rows crossed the budget
-    lines = fast_table(timings, "caption", decoder.spec.device).splitlines()
+        assert set(t.fast_ms) == set(t.ratio) == set(decoders)
+        assert all(math.isfinite(x) and x > 0 for x in (t.eager_ms, *t.fast_ms.values(), *t.ratio.values()))
+    for decoder in decoders.values():
+        assert decoder.cache.batch_size == 3 and max(decoder.cache.seen) > 32 + 4  # rows crossed the budget
+    lines = fast_table(timings, "caption", torch.device("cpu")).splitlines()
+    assert "| fast / eager | other ms/step | other / eager | target |" in lines[2]
     assert len(lines) == 4 + len(timings) and all(line.endswith(("| met |", "| MISSED |")) for line in lines[4:])
 
 

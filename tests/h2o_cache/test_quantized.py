@@ -1,0 +1,198 @@
+"""GGUF-block products (`quantized.py`, `kernels/qmatmul.cpp`) and the fast path that uses them."""
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from h2o_cache import CacheConfig, Generator, StaticDecoder
+from h2o_cache.decode import DecoderWeights
+from h2o_cache.quantized import QuantizedMatrix, gguf_matrices, kernel
+from tests.conftest import ByteTokenizer, tiny_llama
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler to build the kernel")
+KINDS = ["Q4_1", "Q8_0"]
+
+
+def quantized(weight: torch.Tensor, kind: str) -> QuantizedMatrix:
+    blocks = gguf.quantize(weight.numpy(), gguf.GGMLQuantizationType[kind])
+    return QuantizedMatrix(kind, torch.from_numpy(blocks), weight.shape[1])
+
+
+@pytest.fixture(params=KINDS)
+def matrix(request) -> QuantizedMatrix:
+    assert kernel() is not None, "a compiler is here, so the kernel must build"
+    return quantized(torch.randn(40, 96, generator=torch.Generator().manual_seed(0)), request.param)
+
+
+def test_the_kernel_uses_gguf_s_dequantized_weights_bit_for_bit(matrix):
+    identity = torch.eye(matrix.in_features)  # one nonzero product per output: W's columns, unrounded
+    assert torch.equal(matrix.matmul(identity).T, matrix.dequantize())
+
+
+def test_products_match_the_dense_weights_and_no_row_depends_on_its_batch(matrix):
+    x = torch.randn(9, matrix.in_features, generator=torch.Generator().manual_seed(1))
+    out = matrix.matmul(x)
+    torch.testing.assert_close(out, x @ matrix.dequantize().T, rtol=1e-5, atol=1e-5)
+    for batch in range(1, 9):
+        assert torch.equal(matrix.matmul(x[:batch]), out[:batch])
+    for row in range(9):
+        assert torch.equal(matrix.matmul(x[row:row + 1])[0], out[row])
+    residual = torch.randn(9, matrix.out_features)
+    assert torch.equal(matrix.matmul(x, residual), residual + out)
+    assert torch.equal(matrix.matmul(x.T.contiguous().T), out)  # a column-major x is read as its values
+
+
+def test_widths_that_are_not_whole_blocks_are_refused(matrix):
+    odd = QuantizedMatrix(matrix.kind, matrix.blocks, matrix.in_features - 1)
+    with pytest.raises(ValueError, match="refused"):
+        odd.matmul(torch.randn(1, odd.in_features))
+
+
+def llama_cpp_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """q and k rows in the order llama.cpp's converter stores them (the inverse of transformers' reading)."""
+    n = weight.shape[0]
+    return weight.reshape(heads, 2, n // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_llama(path, model) -> None:
+    """Quantize `model` in place to Q4_1 layers and a Q8_0 head, and write those blocks as a GGUF file
+    with llama.cpp's tensor names and q/k row order (only what `gguf_matrices` reads)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    config = model.config
+    tensors = {"output.weight": (model.lm_head.weight, "Q8_0", None)}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for name, linear, heads in (("attn_q", attn.q_proj, config.num_attention_heads),
+                                    ("attn_k", attn.k_proj, config.num_key_value_heads),
+                                    ("attn_v", attn.v_proj, None), ("attn_output", attn.o_proj, None),
+                                    ("ffn_gate", mlp.gate_proj, None), ("ffn_up", mlp.up_proj, None),
+                                    ("ffn_down", mlp.down_proj, None)):
+            tensors[f"blk.{i}.{name}.weight"] = (linear.weight, "Q4_1", heads)
+    with torch.no_grad():
+        for name, (weight, kind, heads) in tensors.items():
+            matrix = quantized(weight.detach(), kind)
+            weight.copy_(matrix.dequantize())
+            blocks = matrix.blocks.numpy()
+            if heads is not None:
+                blocks = llama_cpp_rows(blocks, heads)
+            writer.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    model = tiny_llama(init_std=0.3)  # peaked logits: no near-ties for greedy decoding to flip on
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    gguf_llama(path, model)
+    model.gguf_path = path
+    return model
+
+
+def matrices(weights: DecoderWeights) -> list:
+    return [m for lw in weights.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
+
+
+def test_every_matrix_of_the_file_is_found_in_transformers_row_order(gguf_model):
+    packed = gguf_matrices(gguf_model.gguf_path, gguf_model)
+    linears = [m for layer in gguf_model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert {id(m.weight) for m in linears} | {id(gguf_model.lm_head.weight)} == set(packed)
+    decoder = StaticDecoder(gguf_model, CacheConfig(policy="h2o", budget=16), max_rows=4)
+    assert all(isinstance(m, QuantizedMatrix) for m in matrices(decoder.quantized_weights))
+
+
+def test_a_matrix_that_differs_from_the_loaded_weights_stays_dense(gguf_model):
+    k_proj = gguf_model.model.layers[1].self_attn.k_proj.weight
+    with torch.no_grad():
+        k_proj[0, 0] += 1e-3
+    try:
+        packed = gguf_matrices(gguf_model.gguf_path, gguf_model)
+        decoder = StaticDecoder(gguf_model, CacheConfig(policy="h2o", budget=16), max_rows=4)
+    finally:
+        with torch.no_grad():
+            k_proj[0, 0] -= 1e-3
+    assert id(k_proj) not in packed and len(packed) == 7 * 2 + 1 - 1
+    layers = decoder.quantized_weights.layers
+    assert isinstance(layers[1].qkv, torch.Tensor) and isinstance(layers[0].qkv, QuantizedMatrix)
+
+
+def test_the_quantized_fast_path_decodes_the_transformers_path_s_tokens(gguf_model):
+    """Rows join and leave, evict at different steps and run in padded buckets, as in the engine."""
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    decoder = StaticDecoder(gguf_model, config, max_rows=4)
+    assert decoder.quantized_weights is not None
+    eager = gen.new_cache(0)
+    prompts = [list(range(3 + i, 20 + 5 * i)) for i in range(5)]
+    tokens: dict[int, tuple[list[int], list[int]]] = {}
+    running: list[int] = []  # prompt index of each row, in the caches' row order
+    for step in range(90):
+        if step % 15 == 0 and len(tokens) < len(prompts) and len(running) < 4:
+            row = gen.new_cache(1)
+            gen.prefill(row, [prompts[len(tokens)]])
+            row.pending = [[7 + len(tokens)]]
+            eager.extend(row)
+            decoder.cache.extend(row)
+            running.append(len(tokens))
+            tokens[len(tokens)] = ([], [])
+        if step % 25 == 24 and len(running) > 1:  # the oldest row leaves
+            eager.pop(0)
+            decoder.cache.pop(0)
+            running.pop(0)
+        by_eager = gen.step(eager, eager.pending).argmax(dim=-1).tolist()
+        by_fast = decoder.step().argmax(dim=-1).tolist()
+        for name, e, f in zip(running, by_eager, by_fast, strict=True):
+            tokens[name][0].append(e)
+            tokens[name][1].append(f)
+        eager.pending = [[t] for t in by_eager]
+        decoder.cache.pending = [[t] for t in by_fast]
+    assert max(eager.seen) > 5 * config.budget and sum(len(t[0]) for t in tokens.values()) > 150
+    assert len(tokens) == len(prompts)
+    for by_eager, by_fast in tokens.values():
+        assert by_fast == by_eager
+
+
+def test_without_a_compiler_the_fast_path_keeps_dense_weights(gguf_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("H2O_KERNEL_CACHE", str(tmp_path / "kernels"))  # nothing built there yet
+    kernel.cache_clear()
+    try:
+        assert kernel() is None
+        decoder = StaticDecoder(gguf_model, CacheConfig(policy="h2o", budget=16), max_rows=2)
+        assert decoder.quantized_weights is None
+        with pytest.raises(ValueError, match="kernel"):
+            StaticDecoder(gguf_model, CacheConfig(policy="h2o", budget=16), max_rows=2, quantized=True)
+    finally:
+        kernel.cache_clear()
+
+
+@pytest.mark.model
+def test_the_default_model_decodes_on_its_own_q4_1_and_q8_0_blocks_with_the_eager_tokens(default_model):
+    model, tokenizer = default_model
+    config = CacheConfig(policy="h2o", budget=64, prefill_chunk=64)
+    gen = Generator(model, tokenizer, config)
+    decoder = StaticDecoder(model, config, max_rows=2)
+    assert all(isinstance(m, QuantizedMatrix) for m in matrices(decoder.quantized_weights))
+    assert {m.kind for m in matrices(decoder.quantized_weights)} == {"Q4_1", "Q8_0"}
+    eager = gen.new_cache(0)
+    for question in ("Name three primary colors.", "Write a haiku about the sea."):
+        row = gen.new_cache(1)
+        prompt = gen.encode_chat([{"role": "user", "content": question}])
+        gen.prefill(row, [prompt[:-1]])
+        row.pending = [prompt[-1:]]
+        eager.extend(row)
+        decoder.cache.extend(row)
+    by_eager, by_fast = [], []
+    for _ in range(80):  # prompts of ~30 tokens: both rows pass the budget of 64 and evict
+        by_eager.append(gen.step(eager, eager.pending).argmax(dim=-1).tolist())
+        by_fast.append(decoder.step().argmax(dim=-1).tolist())
+        eager.pending = [[t] for t in by_eager[-1]]
+        decoder.cache.pending = [[t] for t in by_fast[-1]]
+    assert max(eager.seen) > config.budget + 20
+    assert by_fast == by_eager
