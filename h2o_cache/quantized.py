@@ -2,10 +2,13 @@
 
 At batch 1-16 a CPU decode step is bound by reading the weights: fp32 SmolLM2-135M is 540 MB per
 step. The GGUF it came from holds the same matrices as Q4_1 (20 bytes per 32 weights) and Q8_0 (34
-bytes), 5-6x fewer. `kernels/qmatmul.cpp` multiplies by them directly, forming each weight in
+bytes), 5-6x fewer. `kernels/cpu_decode.cpp` multiplies by them directly, forming each weight in
 registers with one rounding, so every weight it uses is bit for bit the fp32 value the transformers
 model was loaded with (checked here for every matrix before it is used): the product is the dense
 one up to the order of the sums, like any other matmul kernel's.
+
+The same library runs a whole decode step in one call (`NativeStep`): `decode.decode_step`'s math
+with no per-op Python or dispatch, which at batch 1 was half the step's time.
 
 The kernel is C++ with AVX2, built with the system's C++ compiler on first use into
 `$H2O_KERNEL_CACHE` (default `~/.cache/h2o-cache/kernels`) and called through ctypes, which lets go
@@ -30,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "qmatmul.cpp"
+SOURCE = Path(__file__).with_name("kernels") / "cpu_decode.cpp"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 BLOCK = 32  # weights per GGUF block
 KINDS = {"Q4_1": (0, 20), "Q8_0": (1, 34)}  # GGUF type -> (kernel's kind, bytes per block)
@@ -56,7 +59,7 @@ class QuantizedMatrix:
                                       x.shape[0], self.out_features, self.in_features, x.stride(0), out.stride(0),
                                       int(residual is not None), torch.get_num_threads())
         if status:
-            raise ValueError(f"qmatmul refused {self.kind} [{self.out_features}, {self.in_features}] (status {status})")
+            raise ValueError(f"the quantized product refused {self.kind} [{self.out_features}, {self.in_features}] (status {status})")
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -88,7 +91,7 @@ def kernel() -> ctypes.CDLL | None:
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("H2O_KERNEL_CACHE") or Path.home() / ".cache" / "h2o-cache" / "kernels")
-    library = root / f"qmatmul-{tag}.so"
+    library = root / f"cpu_decode-{tag}.so"
     if not library.exists():
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -104,7 +107,88 @@ def kernel() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(library))
     lib.h2o_qmatmul.restype = ctypes.c_int
     lib.h2o_qmatmul.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 5, ctypes.c_int, ctypes.c_int]
+    lib.h2o_decode_step.restype = ctypes.c_int
+    lib.h2o_decode_step.argtypes = [ctypes.POINTER(StepLayout), *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
     return lib
+
+
+class StepLayout(ctypes.Structure):
+    """The kernel's `Layout`: one model and its batch cache, as shapes, pointers and strides."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in ("layers", "hidden", "intermediate", "heads", "kv_heads",
+                                                     "head_dim", "vocab", "capacity", "positions", "threads")]
+                + [("eps", ctypes.c_double), ("scaling", ctypes.c_double),
+                   ("layer_weights", ctypes.POINTER(ctypes.c_void_p)), ("layer_kinds", ctypes.POINTER(ctypes.c_int64)),
+                   ("embed", ctypes.c_void_p), ("norm", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+                   ("lm_head_kind", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+                + [(name, ctypes.c_void_p) for name in ("keys", "values", "rotated", "scores", "origins")]
+                + [(name, ctypes.c_int64) for name in ("kv_layer_stride", "kv_row_stride", "score_layer_stride",
+                                                       "score_row_stride", "origin_layer_stride", "origin_row_stride")])
+
+
+class NativeStep:
+    """`decode.decode_step` for an fp32 Llama on the CPU whose matrices are all GGUF blocks, in one C++ call.
+
+    The same math in the same order for every row, whatever its batch (fp32 softmax, each key's
+    weight summed over its KV head's query group into its score, the new key rotated to its slot);
+    the sums run in another order than torch's, so results agree with `decode_step` to rounding.
+    Built over one cache's buffers: `step` must see the same buffers (StaticDecoder checks that).
+    """
+
+    def __init__(self, weights, buffers, cos: torch.Tensor, sin: torch.Tensor, max_rows: int):
+        self._keep = (weights, buffers, cos, sin)  # the kernel reads these through raw pointers
+        layers = weights.layers
+        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else t.blocks.data_ptr()
+                    for lw in layers for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)]
+        self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._kinds = (ctypes.c_int64 * (4 * len(layers)))(*[KINDS[m.kind][0] for lw in layers
+                                                            for m in (lw.qkv, lw.o, lw.gate_up, lw.down)])
+        keys = buffers.keys
+        first = layers[0]
+        self.layout = StepLayout(
+            layers=len(layers), hidden=weights.embed.shape[1], intermediate=first.down.in_features,
+            heads=weights.num_heads, kv_heads=weights.num_kv_heads, head_dim=weights.head_dim,
+            vocab=weights.lm_head.out_features, capacity=keys.shape[3], positions=cos.shape[0],
+            threads=torch.get_num_threads(), eps=weights.eps, scaling=weights.scaling,
+            layer_weights=self._pointers, layer_kinds=self._kinds, embed=weights.embed.data_ptr(),
+            norm=weights.norm.data_ptr(), lm_head=weights.lm_head.blocks.data_ptr(),
+            lm_head_kind=KINDS[weights.lm_head.kind][0], cos=cos.data_ptr(), sin=sin.data_ptr(),
+            keys=keys.data_ptr(), values=buffers.values.data_ptr(),
+            rotated=None if buffers.rotated is None else buffers.rotated.data_ptr(),
+            scores=None if buffers.scores is None else buffers.scores.data_ptr(),
+            origins=buffers.origins.data_ptr(),
+            kv_layer_stride=keys.stride(0), kv_row_stride=keys.stride(1),
+            score_layer_stride=0 if buffers.scores is None else buffers.scores.stride(0),
+            score_row_stride=0 if buffers.scores is None else buffers.scores.stride(1),
+            origin_layer_stride=buffers.origins.stride(0), origin_row_stride=buffers.origins.stride(1))
+        self.logits = torch.empty(max_rows, self.layout.vocab)
+
+    @staticmethod
+    def supports(weights, buffers, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether the kernel can run this model over these buffers: every matrix GGUF blocks, no biases,
+        SiLU, fp32 on the CPU, contiguous tensors, shapes of whole 32-blocks."""
+        matrices = [m for lw in weights.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
+        biases = [b for lw in weights.layers for b in (lw.qkv_bias, lw.o_bias, lw.gate_up_bias, lw.down_bias)]
+        floats = [weights.embed, weights.norm, cos, sin, *[t for lw in weights.layers for t in (lw.input_norm, lw.post_norm)],
+                  *[t for t in (buffers.keys, buffers.values, buffers.rotated, buffers.scores) if t is not None]]
+        if kernel() is None or not all(isinstance(m, QuantizedMatrix) for m in matrices):
+            return False
+        return (all(b is None for b in biases) and weights.act is torch.nn.functional.silu
+                and all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in floats)
+                and buffers.origins.is_contiguous() and buffers.origins.dtype == torch.int64
+                and weights.head_dim % 16 == 0 and weights.num_heads % weights.num_kv_heads == 0
+                and weights.embed.shape[0] == weights.lm_head.out_features
+                and weights.embed.shape[1] % BLOCK == 0 and weights.layers[0].down.in_features % BLOCK == 0)
+
+    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] (a view of a buffer the next call overwrites) for int64 CPU tensors [B]."""
+        b = tokens.shape[0]
+        self.layout.threads = torch.get_num_threads()
+        status = kernel().h2o_decode_step(ctypes.byref(self.layout), tokens.data_ptr(), slots.data_ptr(),
+                                          origins.data_ptr(), b, self.logits.data_ptr())
+        if status:
+            raise ValueError(f"the native decode step refused its input (status {status})")
+        return self.logits[:b]
 
 
 def _llama_rows(n: int, heads: int) -> np.ndarray:

@@ -8,7 +8,8 @@ inputs reach the device in one upload. On CUDA each bucket's step is captured on
 
 On the CPU, a model loaded from a GGUF file multiplies by the file's own Q4_1 / Q8_0 blocks
 (`quantized.py`) in buckets of up to `QUANTIZED_MAX_ROWS` rows: the step reads 5-6x fewer bytes
-than the fp32 weights, and the weights it uses are the same fp32 values.
+than the fp32 weights, and the weights it uses are the same fp32 values. Where every matrix is in
+blocks, the whole step is one C++ call (`quantized.NativeStep`), the same math without per-op costs.
 
 Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
 budget, with the same ops as the transformers path, so both paths keep the same tokens.
@@ -22,7 +23,7 @@ from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import decode_step
 from h2o_cache.hf import decoder_weights, model_spec
-from h2o_cache.quantized import gguf_matrices, kernel
+from h2o_cache.quantized import NativeStep, gguf_matrices, kernel
 
 # Above this many rows MKL's fp32 products beat the quantized kernel on a 2-core AVX2 CPU
 # (`python -m h2o_cache.bench.speed --only fast-vs-eager`).
@@ -45,10 +46,12 @@ class StaticDecoder:
     quantized: multiply by the GGUF file's quantized matrices (`model.gguf_path`) in buckets of at
     most QUANTIZED_MAX_ROWS rows; None does where it can (an fp32 model on the CPU, from a GGUF file
     with Q4_1 / Q8_0 matrices, and a compiled kernel).
+    native: run those buckets as one C++ call (`NativeStep`); None does where the model allows it, False
+    keeps `decode_step`'s torch ops (the reference, for comparisons).
     """
 
     def __init__(self, model, config: CacheConfig, max_rows: int, cuda_graphs: bool | None = None,
-                 quantized: bool | None = None):
+                 quantized: bool | None = None, native: bool | None = None):
         if not config.rolling:
             raise ValueError(f"static decode needs an evicting policy with position rolling, not {config.describe()}")
         self.spec = model_spec(model)
@@ -73,6 +76,13 @@ class StaticDecoder:
         self.cache.reserve(max_rows, config.budget + config.recall_budget + 1, scratch=True)
         self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
+        self.native = None
+        if native is not False and self.quantized_weights is not None:
+            args = (self.quantized_weights, self.cache.buffers(), self._cos, self._sin)
+            if NativeStep.supports(*args):
+                self.native = NativeStep(*args, max_rows=max_rows)
+        if native and self.native is None:
+            raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
         # tokens, slots and origins; with rolling a new token's RoPE position is its slot
         self._inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
         self._staging = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -116,6 +126,8 @@ class StaticDecoder:
 
     def _run(self, bucket: int) -> torch.Tensor:
         tokens, slots, origins = self._inputs[:, :bucket]
+        if self.native is not None and bucket <= QUANTIZED_MAX_ROWS:
+            return self.native(tokens, slots, origins)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights

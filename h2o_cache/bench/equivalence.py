@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                      tokenizer.decode(fast[:24], skip_special_tokens=True).replace("\n", " ").replace("|", "/")])
     graphs = ", CUDA graphs" if decoder.cuda_graphs else ""
     blocks = ", GGUF blocks" if decoder.quantized_weights is not None else ""
+    blocks += ", one C++ call per step" if decoder.native is not None else ""
     caption = (f"Fast path vs transformers path, greedy, {args.steps} tokens, h2o budget {args.budget}, "
                f"{next(model.parameters()).dtype}, {gen.spec.device.type}{graphs}{blocks}")
     headers = ["prompt", "same text", "first different token", "max logit diff / max logit", "fast path's text (start)"]

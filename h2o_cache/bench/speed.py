@@ -195,11 +195,14 @@ def main(argv: list[str] | None = None) -> None:
         config, rows = CacheConfig(budget=args.budget), max(args.batch_sizes)
         decoder = StaticDecoder(model, config, rows)
         decoders = {"fast": decoder}
+        if decoder.native is not None:  # what one C++ call buys, against the same step in torch ops
+            decoders["fast torch ops"] = StaticDecoder(model, config, rows, native=False)
         if decoder.quantized_weights is not None:  # what the GGUF blocks buy, against the same step on fp32 weights
             decoders["fast fp32 weights"] = StaticDecoder(model, config, rows, quantized=False)
         fast = [measure_fast(gen, decoders, b, args.reps, args.steps, args.warmup) for b in args.batch_sizes]
         graphs = " (CUDA graphs)" if decoder.cuda_graphs else ""
         weights = f", GGUF blocks up to {QUANTIZED_MAX_ROWS} rows" if decoder.quantized_weights is not None else ""
+        weights += ", one C++ call per step" if decoder.native is not None else ""
         caption = (f"Decode step to greedy tokens on the host, h2o budget {args.budget}, fast path{graphs}{weights} "
                    f"vs eager: {setup}")
         print(fast_table(fast, caption, gen.spec.device))

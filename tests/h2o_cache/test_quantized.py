@@ -1,4 +1,4 @@
-"""GGUF-block products (`quantized.py`, `kernels/qmatmul.cpp`) and the fast path that uses them."""
+"""GGUF-block products and the native step (`quantized.py`, `kernels/cpu_decode.cpp`), and the fast path using them."""
 
 import shutil
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from h2o_cache import CacheConfig, Generator, StaticDecoder
+from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder
 from h2o_cache.decode import DecoderWeights
 from h2o_cache.quantized import QuantizedMatrix, gguf_matrices, kernel
 from tests.conftest import ByteTokenizer, tiny_llama
@@ -120,6 +120,7 @@ def test_a_matrix_that_differs_from_the_loaded_weights_stays_dense(gguf_model):
     assert id(k_proj) not in packed and len(packed) == 7 * 2 + 1 - 1
     layers = decoder.quantized_weights.layers
     assert isinstance(layers[1].qkv, torch.Tensor) and isinstance(layers[0].qkv, QuantizedMatrix)
+    assert decoder.native is None  # a dense matrix: the step stays in torch ops
 
 
 def test_the_quantized_fast_path_decodes_the_transformers_path_s_tokens(gguf_model):
@@ -127,7 +128,7 @@ def test_the_quantized_fast_path_decodes_the_transformers_path_s_tokens(gguf_mod
     config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     decoder = StaticDecoder(gguf_model, config, max_rows=4)
-    assert decoder.quantized_weights is not None
+    assert decoder.quantized_weights is not None and decoder.native is not None
     eager = gen.new_cache(0)
     prompts = [list(range(3 + i, 20 + 5 * i)) for i in range(5)]
     tokens: dict[int, tuple[list[int], list[int]]] = {}
@@ -158,6 +159,56 @@ def test_the_quantized_fast_path_decodes_the_transformers_path_s_tokens(gguf_mod
         assert by_fast == by_eager
 
 
+def rows_near_budget(gen: Generator, config: CacheConfig, count: int) -> H2OCache:
+    """`count` rows 0..count-1 tokens short of the budget (so they evict at different steps), one token pending."""
+    batch = gen.new_cache(0)
+    for i in range(count):
+        row = gen.new_cache(1)
+        gen.prefill(row, [[3 + (5 * i + 7 * t) % 120 for t in range(config.budget - i)]])
+        row.pending = [[10 + i]]
+        batch.extend(row)
+    return batch
+
+
+def test_the_native_step_computes_decode_step_s_logits_and_cache_writes(gguf_model):
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    native = StaticDecoder(gguf_model, config, max_rows=4)
+    ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
+    assert native.native is not None and ops.native is None
+    rows = rows_near_budget(gen, config, 3)  # a bucket of 4 with a padding row
+    native.cache.extend(rows)
+    ops.cache.extend(rows)
+    for _ in range(12):  # every row crosses the budget and evicts
+        by_native, by_ops = native.step(), ops.step()
+        torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        native.cache.pending = ops.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
+    assert max(native.cache.seen) > config.budget + config.slack
+    a, b = native.cache.buffers(), ops.cache.buffers()
+    for name in ("keys", "values", "rotated", "scores"):
+        torch.testing.assert_close(getattr(a, name)[:, :3], getattr(b, name)[:, :3], rtol=1e-5, atol=1e-5)
+    assert torch.equal(a.origins[:, :3], b.origins[:, :3])
+    assert native.cache.lengths == ops.cache.lengths
+
+
+def test_a_row_s_native_step_does_not_depend_on_its_batch(gguf_model):
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    rows = rows_near_budget(gen, config, 5)
+    alone, shared = StaticDecoder(gguf_model, config, max_rows=8), StaticDecoder(gguf_model, config, max_rows=8)
+    alone.cache.extend(rows)
+    for _ in range(4):
+        alone.cache.pop(1)  # row 0 only: bucket 1
+    shared.cache.extend(rows)  # row 0 with four others: bucket 8
+    for _ in range(10):
+        by_alone, by_shared = alone.step(), shared.step()
+        assert torch.equal(by_alone[0], by_shared[0])
+        tokens = by_shared.argmax(dim=-1).tolist()
+        alone.cache.pending, shared.cache.pending = [[tokens[0]]], [[t] for t in tokens]
+    a, b = alone.cache.buffers(), shared.cache.buffers()
+    assert torch.equal(a.scores[:, 0], b.scores[:, 0]) and torch.equal(a.rotated[:, 0], b.rotated[:, 0])
+
+
 def test_without_a_compiler_the_fast_path_keeps_dense_weights(gguf_model, monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("H2O_KERNEL_CACHE", str(tmp_path / "kernels"))  # nothing built there yet
@@ -165,7 +216,7 @@ def test_without_a_compiler_the_fast_path_keeps_dense_weights(gguf_model, monkey
     try:
         assert kernel() is None
         decoder = StaticDecoder(gguf_model, CacheConfig(policy="h2o", budget=16), max_rows=2)
-        assert decoder.quantized_weights is None
+        assert decoder.quantized_weights is None and decoder.native is None
         with pytest.raises(ValueError, match="kernel"):
             StaticDecoder(gguf_model, CacheConfig(policy="h2o", budget=16), max_rows=2, quantized=True)
     finally:

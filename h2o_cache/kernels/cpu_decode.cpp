@@ -1,0 +1,394 @@
+// The CPU decode step of a Llama model over GGUF block-quantized weights (AVX2, FMA, F16C).
+//
+// Two entry points: h2o_qmatmul, one product with a GGUF matrix, and h2o_decode_step, a whole
+// one-token step (embedding, 30-odd layers, head) in one call, so that a step pays no Python or
+// dispatch cost per op. The step's math is `decode.decode_step`'s; see it below.
+//
+// Products:
+// out[b, n] (+)= sum_k x[b, k] * w[n, k] for b < B, n < N, where row n of w is K / 32 GGUF blocks:
+//   Q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles}; w = d * q + m, q = low nibbles (elements
+//         0..15) then high nibbles (16..31);
+//   Q8_0: 34 bytes {fp16 d, 32 int8}; w = d * q.
+// Each weight is formed with one rounding (d * q is exact in fp32), so it equals, bit for bit, the
+// fp32 value gguf's dequantize gives. Every output row sums in the same order whatever B is and
+// whichever rows share its tile (4 accumulators of 8 lanes, added pairwise at the end), so a row's
+// result never depends on its batch. Threads split the N output features.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+namespace {
+
+struct Q4_1 {
+    static constexpr int bytes = 20;
+    static inline void dequant(const uint8_t* blk, __m256 w[4]) {
+        uint16_t hd, hm;
+        memcpy(&hd, blk, 2);
+        memcpy(&hm, blk + 2, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(hd));
+        const __m256 m = _mm256_set1_ps(_cvtsh_ss(hm));
+        const __m128i nibble = _mm_set1_epi8(0x0F);
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+        const __m128i lo = _mm_and_si128(q, nibble);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), nibble);
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+    }
+};
+
+struct Q8_0 {
+    static constexpr int bytes = 34;
+    static inline void dequant(const uint8_t* blk, __m256 w[4]) {
+        uint16_t hd;
+        memcpy(&hd, blk, 2);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(hd));
+        const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+        const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+        w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d);
+        w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), d);
+        w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d);
+        w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), d);
+    }
+};
+
+inline float hsum(__m256 a[4]) {
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+// Rows b0 .. b0 + T - 1 of x against weight row n: the block is dequantized once for the T rows.
+template <class Q, int T>
+inline void tile(const uint8_t* row, int64_t blocks, const float* x, int64_t x_stride, float* out,
+                 int64_t out_stride, int accumulate) {
+    __m256 acc[T][4];
+    for (int t = 0; t < T; ++t)
+        for (int j = 0; j < 4; ++j) acc[t][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < blocks; ++k) {
+        __m256 w[4];
+        Q::dequant(row + k * Q::bytes, w);
+        for (int t = 0; t < T; ++t) {
+            const float* xk = x + t * x_stride + k * 32;
+            for (int j = 0; j < 4; ++j) acc[t][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xk + 8 * j), acc[t][j]);
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        const float dot = hsum(acc[t]);
+        out[t * out_stride] = accumulate ? out[t * out_stride] + dot : dot;
+    }
+}
+
+// Several rows against weight row n: the row is dequantized once into `w` (K floats, in L1), then
+// rows are taken two at a time; each accumulator sums the same products in the same order as `tile`.
+inline void dense_pair(const float* w, int64_t K, const float* x0, const float* x1, float* out0, float* out1,
+                       int accumulate) {
+    __m256 a0[4], a1[4];
+    for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int j = 0; j < 4; ++j) {
+            const __m256 wj = _mm256_loadu_ps(w + k + 8 * j);
+            a0[j] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x0 + k + 8 * j), a0[j]);
+            a1[j] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x1 + k + 8 * j), a1[j]);
+        }
+    }
+    const float d0 = hsum(a0), d1 = hsum(a1);
+    *out0 = accumulate ? *out0 + d0 : d0;
+    *out1 = accumulate ? *out1 + d1 : d1;
+}
+
+template <class Q>
+void matmul(const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K,
+            int64_t x_stride, int64_t out_stride, int accumulate, int threads) {
+    const int64_t blocks = K / 32, row_bytes = blocks * Q::bytes;
+#pragma omp parallel num_threads(threads)
+    {
+        float* dense = B >= 4 ? static_cast<float*>(_mm_malloc(K * sizeof(float), 64)) : nullptr;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; ++n) {
+            const uint8_t* row = w + n * row_bytes;
+            int64_t b = 0;
+            if (dense) {
+                for (int64_t k = 0; k < blocks; ++k) {
+                    __m256 v[4];
+                    Q::dequant(row + k * Q::bytes, v);
+                    for (int j = 0; j < 4; ++j) _mm256_store_ps(dense + k * 32 + 8 * j, v[j]);
+                }
+                for (; b + 2 <= B; b += 2)
+                    dense_pair(dense, K, x + b * x_stride, x + (b + 1) * x_stride, out + b * out_stride + n,
+                               out + (b + 1) * out_stride + n, accumulate);
+            } else {
+                for (; b + 2 <= B; b += 2)
+                    tile<Q, 2>(row, blocks, x + b * x_stride, x_stride, out + b * out_stride + n, out_stride, accumulate);
+            }
+            if (b < B) tile<Q, 1>(row, blocks, x + b * x_stride, x_stride, out + b * out_stride + n, out_stride, accumulate);
+        }
+        if (dense) _mm_free(dense);
+    }
+}
+
+
+int product(int kind, const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K, int accumulate,
+            int threads) {
+    if (K % 32 != 0) return 1;
+    if (kind == 0) matmul<Q4_1>(w, x, out, B, N, K, K, N, accumulate, threads);
+    else if (kind == 1) matmul<Q8_0>(w, x, out, B, N, K, K, N, accumulate, threads);
+    else return 2;
+    return 0;
+}
+
+// ---- The decode step ------------------------------------------------------------------------------
+//
+// Per layer, as `decode.decode_step` does it: RMSNorm; q/k/v product; RoPE of q and k at the row's
+// slot (position rolling: a new token's position is its slot); the new key (as fed and rotated), value
+// and origin written at the slot, its score zeroed; fp32 attention of each KV head's query group over
+// slots 0..slot, each key's softmax weight summed over the group and added to its score; o product
+// onto the residual; RMSNorm; gate/up product; SiLU(gate) * up; down product onto the residual. Then
+// the final norm and the head. Everything a row computes depends on that row alone, in a fixed order.
+
+// The layout of one model and its batch cache; mirrored by `quantized.StepLayout` (all 8-byte fields).
+struct Layout {
+    int64_t layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, capacity, positions, threads;
+    double eps, scaling;
+    const void* const* layer_weights;  // per layer: input_norm, qkv, o, post_norm, gate_up, down
+    const int64_t* layer_kinds;        // per layer: the kinds of qkv, o, gate_up, down
+    const float* embed;                // [vocab, hidden], dense
+    const float* norm;                 // [hidden]
+    const uint8_t* lm_head;
+    int64_t lm_head_kind;
+    const float* cos;                  // [positions, head_dim]
+    const float* sin;
+    // [layers, rows, kv_heads, capacity, head_dim] (scores, origins: [.., capacity]); strides in elements,
+    // each row's heads, slots and features contiguous
+    float* keys;                       // as fed when `rotated` is set, else rotated
+    float* values;
+    float* rotated;                    // may be null
+    float* scores;                     // may be null (a policy without scores)
+    int64_t* origins;
+    int64_t kv_layer_stride, kv_row_stride, score_layer_stride, score_row_stride, origin_layer_stride,
+        origin_row_stride;
+};
+
+inline float hsum8(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+// e^x in 8 lanes, to about 1 ulp: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts, so r is
+// exact), e^r by Cephes' expf polynomial, 2^n from exponent bits. x is clamped to [-87, 88].
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n: a multiple of 8.
+inline void rms_norm(const float* x, const float* weight, float* out, int64_t n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum8(acc) / static_cast<float>(n) + eps));
+    for (int64_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), scale)));
+}
+
+// RoPE as transformers applies it: x * cos + rotate_half(x) * sin. out must not alias x.
+inline void rope(const float* x, const float* cos, const float* sin, float* out, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum8(acc);
+}
+
+// q . k for 8 consecutive keys (rows of `keys`, d apart), in one vector: lane j is dot(q, key j).
+inline __m256 dot8(const float* q, const float* keys, int64_t d) {
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qi = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + j * d + i), a[j]);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// p[0..n) = softmax(p[0..n)) in fp32; p has room for n rounded up to 8.
+inline void softmax(float* p, int64_t n) {
+    const int64_t whole = n / 8 * 8;
+    for (int64_t t = n; t < whole + 8; ++t) p[t] = -INFINITY;  // the last chunk's unused lanes: e^-inf = 0
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + t));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(h));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+        const __m256 x = _mm256_loadu_ps(p + t);
+        // exp8 clamps, so a masked lane (-inf) is zeroed here, not by the exponent
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+        _mm256_storeu_ps(p + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+    for (int64_t t = 0; t < n; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv));
+}
+
+// out[0..d) = sum over t < n of p[t] * values[t], values d apart; d a multiple of 8.
+inline void weighted_sum(const float* p, const float* values, int64_t n, int64_t d, float* out) {
+    for (int64_t i = 0; i < d; i += 64) {
+        const int w = static_cast<int>((d - i < 64 ? d - i : 64) / 8);
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; ++t) {
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            const float* v = values + t * d + i;
+            for (int j = 0; j < w; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), a[j]);
+        }
+        for (int j = 0; j < w; ++j) _mm256_storeu_ps(out + i + 8 * j, a[j]);
+    }
+}
+
+// One layer's attention for B rows: qkv [B, (H + 2 H_kv) D] -> out [B, H D], and the cache writes.
+void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slots, int64_t B, float* out) {
+    const int64_t H = s.heads, Hkv = s.kv_heads, D = s.head_dim, G = H / Hkv, cap = s.capacity;
+    const int64_t width = (H + 2 * Hkv) * D, padded = (cap + 7) / 8 * 8 + 8;
+    const float scaling = static_cast<float>(s.scaling);
+#pragma omp parallel num_threads(static_cast<int>(s.threads))
+    {
+        std::vector<float> q(G * D), probs(G * padded);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * Hkv; ++task) {
+            const int64_t b = task / Hkv, h = task % Hkv, slot = slots[b], n = slot + 1;
+            const float* cos = s.cos + slot * D;
+            const float* sin = s.sin + slot * D;
+            const float* x = qkv + b * width;
+            const int64_t at = layer * s.kv_layer_stride + b * s.kv_row_stride + h * cap * D;
+            float* keys = (s.rotated ? s.rotated : s.keys) + at;
+            const float* values = s.values + at;
+            if (s.rotated) memcpy(s.keys + at + slot * D, x + (H + h) * D, D * sizeof(float));
+            rope(x + (H + h) * D, cos, sin, keys + slot * D, D);
+            memcpy(s.values + at + slot * D, x + (H + Hkv + h) * D, D * sizeof(float));
+            for (int64_t g = 0; g < G; ++g) {
+                const float* qg = q.data() + g * D;
+                float* p = probs.data() + g * padded;
+                rope(x + (h * G + g) * D, cos, sin, q.data() + g * D, D);
+                int64_t t = 0;
+                for (; t + 8 <= n; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(dot8(qg, keys + t * D, D), _mm256_set1_ps(scaling)));
+                for (; t < n; ++t) p[t] = dot(qg, keys + t * D, D) * scaling;
+                softmax(p, n);
+                weighted_sum(p, values, n, D, out + b * H * D + (h * G + g) * D);
+            }
+            if (s.scores) {
+                float* scores = s.scores + layer * s.score_layer_stride + b * s.score_row_stride + h * cap;
+                scores[slot] = 0.0f;
+                for (int64_t t = 0; t < n; ++t) {
+                    float group = probs[t];
+                    for (int64_t g = 1; g < G; ++g) group += probs[g * padded + t];
+                    scores[t] += group;
+                }
+            }
+        }
+    }
+}
+
+// SiLU(gate) * up: gu [B, 2 I] (gate then up) -> out [B, I]; I a multiple of 8.
+void swiglu(const float* gu, int64_t B, int64_t I, float* out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < I; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gu + b * 2 * I + i);
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(out + b * I + i, _mm256_mul_ps(silu, _mm256_loadu_ps(gu + b * 2 * I + I + i)));
+        }
+}
+
+int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, const int64_t* origins, int64_t B,
+                float* logits) {
+    const int64_t E = s.hidden, I = s.intermediate, D = s.head_dim, H = s.heads, Hkv = s.kv_heads;
+    if (E % 32 || I % 32 || D % 16 || H % Hkv) return 1;
+    for (int64_t b = 0; b < B; ++b) {
+        if (tokens[b] < 0 || tokens[b] >= s.vocab) return 3;
+        if (slots[b] < 0 || slots[b] >= s.capacity || slots[b] >= s.positions) return 4;
+    }
+    const int threads = static_cast<int>(s.threads);
+    const float eps = static_cast<float>(s.eps);
+    std::vector<float> x(B * E), normed(B * E), qkv(B * (H + 2 * Hkv) * D), att(B * H * D), gu(B * 2 * I), act(B * I);
+    for (int64_t b = 0; b < B; ++b) {
+        memcpy(x.data() + b * E, s.embed + tokens[b] * E, E * sizeof(float));
+        for (int64_t l = 0; l < s.layers; ++l)
+            for (int64_t h = 0; h < Hkv; ++h)
+                s.origins[l * s.origin_layer_stride + b * s.origin_row_stride + h * s.capacity + slots[b]] = origins[b];
+    }
+    int status = 0;
+    for (int64_t l = 0; l < s.layers && !status; ++l) {
+        const void* const* w = s.layer_weights + 6 * l;
+        const int64_t* kind = s.layer_kinds + 4 * l;
+        for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * E, static_cast<const float*>(w[0]), normed.data() + b * E, E, eps);
+        status |= product(kind[0], static_cast<const uint8_t*>(w[1]), normed.data(), qkv.data(), B, (H + 2 * Hkv) * D, E, 0, threads);
+        attend(s, l, qkv.data(), slots, B, att.data());
+        status |= product(kind[1], static_cast<const uint8_t*>(w[2]), att.data(), x.data(), B, E, H * D, 1, threads);
+        for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * E, static_cast<const float*>(w[3]), normed.data() + b * E, E, eps);
+        status |= product(kind[2], static_cast<const uint8_t*>(w[4]), normed.data(), gu.data(), B, 2 * I, E, 0, threads);
+        swiglu(gu.data(), B, I, act.data());
+        status |= product(kind[3], static_cast<const uint8_t*>(w[5]), act.data(), x.data(), B, E, I, 1, threads);
+    }
+    for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * E, s.norm, normed.data() + b * E, E, eps);
+    status |= product(static_cast<int>(s.lm_head_kind), s.lm_head, normed.data(), logits, B, s.vocab, E, 0, threads);
+    return status ? 2 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int h2o_qmatmul_abi() { return 2; }
+
+// kind: 0 = Q4_1, 1 = Q8_0. w: [N, K / 32 blocks]; x: [B, K] with row stride x_stride; out: [B, N]
+// with row stride out_stride, added to when accumulate is nonzero. K must be a multiple of 32.
+int h2o_qmatmul(int kind, const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K,
+                int64_t x_stride, int64_t out_stride, int accumulate, int threads) {
+    if (K % 32 != 0) return 1;
+    if (kind == 0) matmul<Q4_1>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
+    else if (kind == 1) matmul<Q8_0>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
+    else return 2;
+    return 0;
+}
+
+// One decode step of B rows (see Layout): feeds tokens[b] to row b at slot slots[b] (also its RoPE
+// position), writing origins[b] as that slot's origin; logits: [B, vocab]. Returns 0, or nonzero
+// (nothing meaningful written) for shapes it cannot run, a token outside the vocabulary (3) or a
+// slot outside the cache (4).
+int h2o_decode_step(const Layout* layout, const int64_t* tokens, const int64_t* slots, const int64_t* origins,
+                    int64_t B, float* logits) {
+    return decode_step(*layout, tokens, slots, origins, B, logits);
+}
+
+}
