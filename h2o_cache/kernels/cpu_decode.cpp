@@ -11,8 +11,11 @@
 //   Q8_0: 34 bytes {fp16 d, 32 int8}; w = d * q.
 // Each weight is formed with one rounding (d * q is exact in fp32), so it equals, bit for bit, the
 // fp32 value gguf's dequantize gives. Every output row sums in the same order whatever B is and
-// whichever rows share its tile (4 accumulators of 8 lanes, added pairwise at the end), so a row's
-// result never depends on its batch. Threads split the N output features.
+// whichever rows share its tile, so a row's result never depends on its batch: accumulator j (of 4,
+// 8 lanes each) sums, in k order, the products of the 8 weights at 32 k' + 8 j, and the four are
+// added pairwise at the end. With 1-2 rows of x a block is dequantized in registers (`tile`); with
+// more, 3 weight rows are dequantized into L1 and taken against 4 rows of x at a time (`dense_tile`),
+// one accumulator index at a time so the tile fits the registers. Threads split the N output features.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -85,23 +88,71 @@ inline void tile(const uint8_t* row, int64_t blocks, const float* x, int64_t x_s
     }
 }
 
-// Several rows against weight row n: the row is dequantized once into `w` (K floats, in L1), then
-// rows are taken two at a time; each accumulator sums the same products in the same order as `tile`.
-inline void dense_pair(const float* w, int64_t K, const float* x0, const float* x1, float* out0, float* out1,
+// R dequantized weight rows (`w`, K floats each) against T rows of x: out[t, r] (+)= w[r] . x[t].
+// Each output keeps the 4 accumulators `tile` gives it, summed in the same order, but they are run
+// one after another (accumulator j takes the 8 floats at 32 k + 8 j), so only R * T are live at once:
+// enough registers to reuse each load of w over T rows and each load of x over R rows.
+template <int R, int T>
+inline void dense_tile(const float* w, int64_t K, const float* x, int64_t x_stride, float* out, int64_t out_stride,
                        int accumulate) {
-    __m256 a0[4], a1[4];
-    for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
+    // k in equal segments of at most 768 (whole blocks), so that the tile's w and x stay in L1 whatever K
+    const int64_t parts = (K + 767) / 768, SEGMENT = (K / 32 + parts - 1) / parts * 32;
+    __m256 acc[4][R][T];
+    for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r)
+            for (int t = 0; t < T; ++t) acc[j][r][t] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += SEGMENT) {
+        const int64_t k1 = K - k0 < SEGMENT ? K : k0 + SEGMENT;
         for (int j = 0; j < 4; ++j) {
-            const __m256 wj = _mm256_loadu_ps(w + k + 8 * j);
-            a0[j] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x0 + k + 8 * j), a0[j]);
-            a1[j] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(x1 + k + 8 * j), a1[j]);
+            __m256 a[R][T];
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < T; ++t) a[r][t] = acc[j][r][t];
+            for (int64_t k = k0 + 8 * j; k < k1; k += 32) {
+                __m256 wr[R];
+                for (int r = 0; r < R; ++r) wr[r] = _mm256_load_ps(w + r * K + k);
+                for (int t = 0; t < T; ++t) {
+                    const __m256 xt = _mm256_loadu_ps(x + t * x_stride + k);
+                    for (int r = 0; r < R; ++r) a[r][t] = _mm256_fmadd_ps(wr[r], xt, a[r][t]);
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int t = 0; t < T; ++t) acc[j][r][t] = a[r][t];
         }
     }
-    const float d0 = hsum(a0), d1 = hsum(a1);
-    *out0 = accumulate ? *out0 + d0 : d0;
-    *out1 = accumulate ? *out1 + d1 : d1;
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) {
+            __m256 s[4] = {acc[0][r][t], acc[1][r][t], acc[2][r][t], acc[3][r][t]};
+            const float dot = hsum(s);
+            float* o = out + t * out_stride + r;
+            *o = accumulate ? *o + dot : dot;
+        }
 }
+
+// Weight rows n0 .. n0 + R - 1 against every row of x: dequantized once into `dense`, then taken
+// against x in tiles of 4 rows (the last tile smaller).
+template <class Q, int R>
+inline void dense_rows(const uint8_t* rows, int64_t blocks, float* dense, const float* x, float* out, int64_t B,
+                       int64_t x_stride, int64_t out_stride, int accumulate) {
+    const int64_t K = blocks * 32;
+    for (int r = 0; r < R; ++r)
+        for (int64_t k = 0; k < blocks; ++k) {
+            __m256 v[4];
+            Q::dequant(rows + (r * blocks + k) * Q::bytes, v);
+            for (int j = 0; j < 4; ++j) _mm256_store_ps(dense + r * K + k * 32 + 8 * j, v[j]);
+        }
+    int64_t b = 0;
+    for (; b + 4 <= B; b += 4) dense_tile<R, 4>(dense, K, x + b * x_stride, x_stride, out + b * out_stride, out_stride, accumulate);
+    const float* xb = x + b * x_stride;
+    float* ob = out + b * out_stride;
+    if (B - b == 3) dense_tile<R, 3>(dense, K, xb, x_stride, ob, out_stride, accumulate);
+    else if (B - b == 2) dense_tile<R, 2>(dense, K, xb, x_stride, ob, out_stride, accumulate);
+    else if (B - b == 1) dense_tile<R, 1>(dense, K, xb, x_stride, ob, out_stride, accumulate);
+}
+
+// Weight rows go DENSE_ROWS at a time through `dense_rows` once x has DENSE_MIN_B rows or more;
+// with fewer, each block is dequantized in registers for one or two rows of x (`tile`).
+constexpr int DENSE_ROWS = 3;
+constexpr int64_t DENSE_MIN_B = 3;
 
 template <class Q>
 void matmul(const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K,
@@ -109,27 +160,27 @@ void matmul(const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, 
     const int64_t blocks = K / 32, row_bytes = blocks * Q::bytes;
 #pragma omp parallel num_threads(threads)
     {
-        float* dense = B >= 4 ? static_cast<float*>(_mm_malloc(K * sizeof(float), 64)) : nullptr;
+        if (B >= DENSE_MIN_B) {
+            float* dense = static_cast<float*>(_mm_malloc(DENSE_ROWS * K * sizeof(float), 64));
+            const int64_t groups = N / DENSE_ROWS;
+#pragma omp for schedule(static) nowait
+            for (int64_t g = 0; g < groups; ++g)
+                dense_rows<Q, DENSE_ROWS>(w + g * DENSE_ROWS * row_bytes, blocks, dense, x, out + g * DENSE_ROWS, B,
+                                          x_stride, out_stride, accumulate);
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; ++n) {
-            const uint8_t* row = w + n * row_bytes;
-            int64_t b = 0;
-            if (dense) {
-                for (int64_t k = 0; k < blocks; ++k) {
-                    __m256 v[4];
-                    Q::dequant(row + k * Q::bytes, v);
-                    for (int j = 0; j < 4; ++j) _mm256_store_ps(dense + k * 32 + 8 * j, v[j]);
-                }
-                for (; b + 2 <= B; b += 2)
-                    dense_pair(dense, K, x + b * x_stride, x + (b + 1) * x_stride, out + b * out_stride + n,
-                               out + (b + 1) * out_stride + n, accumulate);
-            } else {
+            for (int64_t n = groups * DENSE_ROWS; n < N; ++n)
+                dense_rows<Q, 1>(w + n * row_bytes, blocks, dense, x, out + n, B, x_stride, out_stride, accumulate);
+            _mm_free(dense);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; ++n) {
+                const uint8_t* row = w + n * row_bytes;
+                int64_t b = 0;
                 for (; b + 2 <= B; b += 2)
                     tile<Q, 2>(row, blocks, x + b * x_stride, x_stride, out + b * out_stride + n, out_stride, accumulate);
+                if (b < B) tile<Q, 1>(row, blocks, x + b * x_stride, x_stride, out + b * out_stride + n, out_stride, accumulate);
             }
-            if (b < B) tile<Q, 1>(row, blocks, x + b * x_stride, x_stride, out + b * out_stride + n, out_stride, accumulate);
         }
-        if (dense) _mm_free(dense);
     }
 }
 
