@@ -9,7 +9,8 @@ inputs reach the device in one upload. On CUDA each bucket's step is captured on
 On the CPU, a model loaded from a GGUF file multiplies by the file's own Q4_1 / Q8_0 blocks
 (`quantized.py`) in buckets of up to `QUANTIZED_MAX_ROWS` rows: the step reads 5-6x fewer bytes
 than the fp32 weights, and the weights it uses are the same fp32 values. Where every matrix is in
-blocks, the whole step is one C++ call (`quantized.NativeStep`), the same math without per-op costs.
+blocks, the whole step is one C++ call (`quantized.NativeStep`), the same math without per-op costs,
+for buckets of any size.
 
 Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
 budget, with the same ops as the transformers path, so both paths keep the same tokens.
@@ -25,8 +26,8 @@ from h2o_cache.decode import decode_step
 from h2o_cache.hf import decoder_weights, model_spec
 from h2o_cache.quantized import NativeStep, gguf_matrices, kernel
 
-# Above this many rows MKL's fp32 products beat the quantized kernel on a 2-core AVX2 CPU
-# (`python -m h2o_cache.bench.speed --only fast-vs-eager`).
+# Above this many rows MKL's fp32 products beat the quantized kernel called op by op on a 2-core AVX2
+# CPU (`python -m h2o_cache.bench.speed --only fast-vs-eager`); the native step beats them at any size.
 QUANTIZED_MAX_ROWS = 16
 
 
@@ -126,7 +127,7 @@ class StaticDecoder:
 
     def _run(self, bucket: int) -> torch.Tensor:
         tokens, slots, origins = self._inputs[:, :bucket]
-        if self.native is not None and bucket <= QUANTIZED_MAX_ROWS:
+        if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
             return self.native(tokens, slots, origins)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:

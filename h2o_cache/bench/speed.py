@@ -201,8 +201,12 @@ def main(argv: list[str] | None = None) -> None:
             decoders["fast fp32 weights"] = StaticDecoder(model, config, rows, quantized=False)
         fast = [measure_fast(gen, decoders, b, args.reps, args.steps, args.warmup) for b in args.batch_sizes]
         graphs = " (CUDA graphs)" if decoder.cuda_graphs else ""
-        weights = f", GGUF blocks up to {QUANTIZED_MAX_ROWS} rows" if decoder.quantized_weights is not None else ""
-        weights += ", one C++ call per step" if decoder.native is not None else ""
+        if decoder.native is not None:
+            weights = ", GGUF blocks, one C++ call per step"
+        elif decoder.quantized_weights is not None:
+            weights = f", GGUF blocks up to {QUANTIZED_MAX_ROWS} rows"
+        else:
+            weights = ""
         caption = (f"Decode step to greedy tokens on the host, h2o budget {args.budget}, fast path{graphs}{weights} "
                    f"vs eager: {setup}")
         print(fast_table(fast, caption, gen.spec.device))
