@@ -420,8 +420,6 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
 
 extern "C" {
 
-int h2o_qmatmul_abi() { return 2; }
-
 // kind: 0 = Q4_1, 1 = Q8_0. w: [N, K / 32 blocks]; x: [B, K] with row stride x_stride; out: [B, N]
 // with row stride out_stride, added to when accumulate is nonzero. K must be a multiple of 32.
 int h2o_qmatmul(int kind, const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K,
