@@ -18,7 +18,7 @@ class ModelRunner:
 
     Both return the sampled tokens of the whole batch (one sampler op, one device-to-host copy).
     The decode step takes the fast path (`StaticDecoder`: a fixed-shape step, CUDA graphs on a GPU,
-    the GGUF file's quantized matrices on a CPU)
+    one C++ call over the GGUF file's quantized matrices on a CPU)
     unless `enforce_eager` is set or the cache cannot take it (`full` policy, no position rolling,
     a model that is not plain Llama); then the transformers path runs it.
 
@@ -31,8 +31,12 @@ class ModelRunner:
         if not enforce_eager:
             try:
                 self.decoder = StaticDecoder(generator.model, generator.config, max_batch_size)
-                log.info("decoding on the fast path%s", " with the GGUF file's quantized matrices"
-                         if self.decoder.quantized_weights is not None else "")
+                how = ""
+                if self.decoder.native is not None:
+                    how = " with the GGUF file's quantized matrices, one C++ call per step"
+                elif self.decoder.quantized_weights is not None:
+                    how = " with the GGUF file's quantized matrices"
+                log.info("decoding on the fast path%s", how)
             except (ValueError, UnsupportedModelError) as reason:
                 log.info("decoding on the transformers path: %s", reason)
         self.batch: H2OCache = self.decoder.cache if self.decoder else generator.new_cache(0)
