@@ -26,12 +26,12 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_server(args: list[str], log: Path, port: int | None = None,
-                 ready_timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
-    """Start `python -m server --host 127.0.0.1 --port PORT *args` (output appended to `log`) and
+def start_server(args: list[str], log: Path, port: int | None = None, ready_timeout: float = 600.0,
+                 module: str = "server") -> tuple[subprocess.Popen, str]:
+    """Start `python -m MODULE --host 127.0.0.1 --port PORT *args` (output appended to `log`) and
     wait until /health answers 200; returns the process and its base URL. The caller stops it."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
     url = f"http://127.0.0.1:{port}"
     with open(log, "a") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import importlib.util
 import os
-import subprocess
 import sys
 import time
+from pathlib import Path
+from urllib.parse import urlsplit
 
-import httpx
-
-from clients.server_proc import free_port, stop_server
+from clients.server_proc import start_server, stop_server
 
 TOKEN = b" t"  # the stub's tokens are " t0", " t1", ...; nothing else in its SSE frames has a space
 
@@ -78,21 +78,10 @@ async def load(port: int, streams: int, tokens: int) -> tuple[float, int, int]:
 
 
 def measure(variant: str, streams: list[int], tokens: int, step_ms: float, log: str) -> dict[int, dict]:
-    port = free_port()
-    with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "server.http_bench", "--serve", str(port), "--variants", variant,
-                                 "--step-ms", str(step_ms)], stdout=out, stderr=subprocess.STDOUT)
+    proc, url = start_server(["--serve", "--variants", variant, "--step-ms", str(step_ms)], Path(log),
+                             ready_timeout=60, module="server.http_bench")
+    port = urlsplit(url).port
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the {variant} stub server did not start; see {log}")
-            time.sleep(0.2)
         asyncio.run(load(port, 4, 20))  # warm-up: imports, first connections
         out = {}
         for n in streams:
@@ -108,19 +97,27 @@ def measure(variant: str, streams: list[int], tokens: int, step_ms: float, log: 
         stop_server(proc)
 
 
+def default_variants() -> list[str]:
+    installed = all(importlib.util.find_spec(name) for name in ("httptools", "uvloop"))
+    return ["h11/asyncio"] + (["httptools/uvloop"] if installed else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--tokens", type=int, default=400, help="tokens per stream")
     parser.add_argument("--step-ms", type=float, default=5.0, help="the stub engine's step time")
-    parser.add_argument("--variants", default="h11/asyncio,httptools/uvloop",
-                        help="comma-separated http/loop[+switch=MS] variants; the first is the reference")
+    parser.add_argument("--variants", default=",".join(default_variants()),
+                        help="comma-separated http/loop[+switch=MS] variants; the first is the reference "
+                             "(default: h11/asyncio, and httptools/uvloop when both are installed)")
     parser.add_argument("--log", default="http_bench.log", help="the stub servers' output")
-    parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     if args.serve:
-        serve(args.serve, variants[0], args.step_ms)
+        serve(args.port, variants[0], args.step_ms)
         return 0
     try:
         import uvloop
