@@ -11,9 +11,9 @@ during a pass a row holds at most budget + chunk tokens.
 With position rolling, keys are stored before RoPE and rotated to their slot positions whenever
 they are read, so the query of slot n sees its keys at distances 1..n, never more than the budget.
 
-With `recall_budget`, evicted tokens move to the row's `Archive` instead of being dropped, and
-`recall` brings the blocks a turn's queries point at back into the row, merged in by original
-position and pinned (kept whatever their score) until the next recall.
+With `recall_budget`, evicted tokens move to the row's `Archive` instead of being dropped, and the
+row's first slots are a window onto it: every pass first fills each layer and KV head's window with
+the archived blocks its own queries point at (`h2o_cache.recall`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from h2o_cache import recall
 from h2o_cache.archive import Archive
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import CacheBuffers
@@ -54,21 +55,6 @@ class _Step:
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
-    queries: list[torch.Tensor] | None = None  # a probe's [B, H_q, C, D] per layer, before RoPE; None: a real pass
-    scaling: float = 1.0
-
-
-@dataclass
-class Probe:
-    """The queries of a chunk that was run through the cache without being kept (`begin(probe=True)`).
-
-    queries: [L, B, H_q, C, D] fp32 before RoPE; valid: [B, C] bool or None; n_new: real tokens per row.
-    """
-
-    queries: torch.Tensor
-    valid: torch.Tensor | None
-    n_new: list[int]
-    scaling: float
 
 
 class H2OCache:
@@ -87,10 +73,12 @@ class H2OCache:
         _scores:        [L, rows, H_kv, capacity] fp32 accumulated attention (scoring policies)
         _origins:       [L, rows, H_kv, capacity] int64 each slot's token index in its row's sequence
                         (0 for the row's first token ever fed); moves with the slot on eviction
-        _pinned:        [L, rows, H_kv, capacity] bool, recalled tokens kept until the next recall
+        _pinned:        [L, rows, H_kv, capacity] bool, the recall window's slots, never evicted
                         (with recall only; always False at slots >= the row's length)
-    Per row: `archives[b]`, the row's evicted tokens (with recall; None until its first eviction), and
-    `recalled[b]`, the pinned tokens per layer/head, which the row holds on top of its budget.
+    Per row, with recall: `archives[b]`, the row's evicted tokens (None until its first eviction);
+    `recalled[b]`, the size of its window (slots 0..recalled[b]-1 per layer/head), held on top of the
+    budget; `windows[b]`, which archive blocks the window holds (None: unknown); `recall_count[b]`,
+    tokens (summed over layers and heads) copied into the window so far.
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
@@ -102,6 +90,8 @@ class H2OCache:
         self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`_kept`)
         self.archives: list[Archive | None] = []
         self.recalled: list[int] = []
+        self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
+        self.recall_count: list[int] = []
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -124,6 +114,8 @@ class H2OCache:
         self.pending += [[] for _ in range(n)]
         self.archives += [None] * n
         self.recalled += [0] * n
+        self.windows += [None] * n
+        self.recall_count += [0] * n
 
     def extend(self, other: H2OCache, move: bool = False) -> None:
         """Append the rows of `other` (same model and config) after this cache's rows.
@@ -144,6 +136,8 @@ class H2OCache:
         else:
             self.archives += [a.copy() if a is not None else None for a in other.archives]
         self.recalled += other.recalled
+        self.windows += [None if w is None else (w[0], w[1].clone()) for w in other.windows]
+        self.recall_count += other.recall_count
 
     def pop(self, row: int) -> H2OCache:
         """Remove one row and return it as a cache of its own; the last row takes its place."""
@@ -153,12 +147,14 @@ class H2OCache:
         single._copy_row(0, self, row, length)
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
         single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
+        single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
         last = self.batch_size - 1
+        per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows, self.recall_count)
         if row != last:
             self._copy_row(row, self, last, self.lengths[last])
-            for rows in (self.lengths, self.seen, self.pending, self.archives, self.recalled):
+            for rows in per_row:
                 rows[row] = rows[last]
-        for rows in (self.lengths, self.seen, self.pending, self.archives, self.recalled):
+        for rows in per_row:
             rows.pop()
         return single
 
@@ -215,15 +211,18 @@ class H2OCache:
 
     # ----- one forward pass -------------------------------------------------------------------
 
-    def begin(self, n_new: list[int], probe: bool = False) -> torch.Tensor:
+    def begin(self, n_new: list[int]) -> torch.Tensor:
         """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)).
 
         Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
-        probe: the pass only collects its queries for `recall` (`end_probe`); the cache keeps
-        neither its tokens nor their attention.
+        With recall, rows whose archive gained blocks first widen their window (`recall.grow`).
         """
         if len(n_new) != self.batch_size:
             raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
+        if self.config.recalls:
+            for row, n in enumerate(n_new):
+                if n:
+                    recall.grow(self, row)
         chunk = max(n_new)
         device = self.spec.device
         starts = torch.tensor(self.lengths, device=device)
@@ -251,7 +250,7 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid, queries=[] if probe else None,
+            kv_len=kv_len, mask=mask, query_valid=query_valid,
         )
         return positions
 
@@ -292,17 +291,16 @@ class H2OCache:
     def attend(self, layer_idx: int, query, keys, values, scaling: float) -> torch.Tensor:
         """Attention of the chunk's queries; accumulates each key's attention when the policy scores.
 
-        query: [B, H_q, C, D]; keys, values: [B, H_kv, K, D] as returned by `update`.
+        query: [B, H_q, C, D]; keys, values: [B, H_kv, K, D] as returned by `update` (views of the
+        buffers, so a recall window filled here is what they attend to).
         Returns [B, C, H_q, D], the layout transformers' attention functions return.
         """
         step = self._step
         b, h_q, c, d = query.shape
         h_kv, k = keys.shape[1], keys.shape[2]
-        if step.queries is not None:  # a probe: what the queries are matters, not what they attend to
-            cos, sin = self.spec.rope.get(step.kv_len)
-            step.queries.append(unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None]))
-            step.scaling = scaling
-        if not self.policy.needs_scores or step.queries is not None:
+        if any(self.recalled):
+            self._choose(layer_idx, query, scaling)
+        if not self.policy.needs_scores:
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
             )
@@ -319,20 +317,21 @@ class H2OCache:
         out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
         return out.view(b, h_q, c, d).transpose(1, 2)
 
+    def _choose(self, layer: int, query: torch.Tensor, scaling: float) -> None:
+        """Fill the recall window of `layer` in every row that has one with what this pass's real queries
+        ([B, H_q, C, D], rotated to `positions`) point at."""
+        step = self._step
+        cos, sin = self.spec.rope.get(step.kv_len)
+        plain = unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
+        for row, n in enumerate(step.n_new):
+            if n and self.recalled[row]:
+                recall.choose(self, row, plain[row:row + 1, :, :n], scaling, slice(layer, layer + 1))
+
     @torch.no_grad()
     def end(self) -> None:
         """Commit the pass: count the new tokens; rows over the budget are evicted down to the target."""
         step, self._step = self._step, None
-        if step.queries is not None:
-            raise RuntimeError("a probe pass ends with end_probe()")
         self.advance(step.n_new)
-
-    def end_probe(self) -> Probe:
-        """Finish a probe pass (`begin(probe=True)`): the cache is as before it; returns its queries."""
-        step, self._step = self._step, None
-        if step is None or step.queries is None:
-            raise RuntimeError("end_probe() without begin(probe=True)")
-        return Probe(torch.stack(step.queries), step.query_valid, step.n_new, step.scaling)
 
     @torch.no_grad()
     def advance(self, n_new: list[int]) -> None:
@@ -438,74 +437,6 @@ class H2OCache:
         spec, config = self.spec, self.config
         return Archive(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
                        config.recall_block, config.recall_archive, pin=spec.device.type == "cuda")
-
-    # ----- recall ----------------------------------------------------------------------------
-
-    def can_recall(self, row: int | None = None) -> bool:
-        """Whether `recall` could change anything for `row` (None: for any row): it has pinned tokens
-        or a full archive block."""
-        rows = range(self.batch_size) if row is None else [row]
-        return self.config.recalls and any(
-            self.recalled[r] or (self.archives[r] is not None and self.archives[r].full_blocks) for r in rows)
-
-    @torch.no_grad()
-    def recall(self, probe: Probe) -> list[int]:
-        """Start a turn: unpin what the last recall brought back (it now competes like any other token;
-        a row over its budget is evicted), then bring back into every row that probed the archive
-        blocks its queries point at (`Archive.select`), up to `recall_budget` tokens per layer/head.
-
-        Recalled tokens take their original keys, values and scores, are merged in by original
-        position (slot order stays arrival order) and stay pinned until the next recall; every key
-        is re-rotated to its new slot. Returns the tokens recalled per row (per layer/head).
-        """
-        config = self.config
-        if probe.queries.shape[1] != self.batch_size:
-            raise ValueError(f"a probe of {probe.queries.shape[1]} rows for a cache of {self.batch_size}")
-        counts = [0] * self.batch_size
-        for row in range(self.batch_size):
-            if not probe.n_new[row]:
-                continue
-            if self.recalled[row]:
-                self._pinned[:, row] = False
-                self.recalled[row] = 0
-                if self.lengths[row] > config.budget:
-                    self._evict([row])
-            archive = self.archives[row]
-            blocks = min(config.recall_budget // config.recall_block, archive.full_blocks if archive else 0)
-            if not blocks:
-                continue
-            spec = self.spec
-            # The row's real queries ([L, H_q, c, D], padding cut off), grouped by the KV head they share.
-            queries = probe.queries[:, row, :, :probe.n_new[row]]
-            queries = queries.reshape(spec.num_layers, spec.num_kv_heads, -1, spec.head_dim)
-            chosen = archive.select(queries, probe.scaling, blocks)
-            self._merge(row, *archive.take(chosen))
-            counts[row] = blocks * config.recall_block
-        return counts
-
-    def _merge(self, row: int, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, origins: torch.Tensor) -> None:
-        """Insert recalled tokens ([L, H_kv, R, ...], host) into `row`, ordered by origin, pinned."""
-        spec = self.spec
-        device = spec.device
-        n, r = self.lengths[row], keys.shape[2]
-        self._reserve(self.batch_size, n + r)
-        order = torch.cat((self._origins[:, row, :, :n], origins.to(device)), dim=2).argsort(dim=2, stable=True)
-        vectors = order[..., None].expand(-1, -1, -1, spec.head_dim)
-        merged_keys = torch.cat((self._keys[:, row, :, :n], keys.to(device)), dim=2).gather(2, vectors)
-        self._keys[:, row, :, :n + r] = merged_keys
-        self._values[:, row, :, :n + r] = torch.cat((self._values[:, row, :, :n], values.to(device)), dim=2).gather(2, vectors)
-        if self._scores is not None:
-            self._scores[:, row, :, :n + r] = torch.cat((self._scores[:, row, :, :n], scores.to(device)), dim=2).gather(2, order)
-        self._origins[:, row, :, :n + r] = torch.cat((self._origins[:, row, :, :n], origins.to(device)), dim=2).gather(2, order)
-        flags = torch.zeros(n + r, dtype=torch.bool, device=device)
-        flags[n:] = True
-        self._pinned[:, row, :, :n + r] = flags[order]
-        cos, sin = spec.rope.get(n + r)
-        rotated = torch.empty_like(merged_keys)
-        rotate_into(rotated, merged_keys, cos, sin)
-        self._rotated[:, row, :, :n + r] = rotated
-        self.lengths[row] = n + r
-        self.recalled[row] = r
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""

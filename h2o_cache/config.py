@@ -23,12 +23,16 @@ class CacheConfig:
         original positions, so RoPE never sees a position beyond the budget.
     prefill_chunk: longest chunk of prompt fed in one forward; bounds prefill memory to
         O(chunk x (budget + chunk)) per head.
-    recall_budget: tokens per layer/KV head that a turn may bring back from the row's archive of
-        evicted tokens (`h2o_cache.archive`); 0 drops evicted tokens. Recalled tokens are held on
-        top of the budget until the next turn, so a row holds at most budget + recall_budget.
+    recall_budget: slots per layer/KV head of a row's recall window (`h2o_cache.recall`): copies of
+        the blocks of the row's archive of evicted tokens (`h2o_cache.archive`) that the latest
+        queries point at, held on top of the budget, so a row holds at most budget + recall_budget.
+        0 drops evicted tokens.
     recall_block: tokens per archive block, the unit of recall (recall_budget is a multiple of it).
     recall_archive: most evicted tokens per layer/KV head a row archives; the oldest go first.
-    recall_probe: the last tokens of a turn's prompt, whose queries choose what is recalled.
+    recall_probe: the last tokens of a turn's prompt, fed as chunks of their own so that their
+        queries (the question) choose the window the reply starts with.
+    recall_interval: decode steps of the fast path between two choices of the window (every
+        prefill chunk and every transformers-path pass chooses with its own queries).
     """
 
     policy: str = "h2o"
@@ -43,6 +47,7 @@ class CacheConfig:
     recall_block: int = 16
     recall_archive: int = 16384
     recall_probe: int = 64
+    recall_interval: int = 1
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
@@ -58,6 +63,8 @@ class CacheConfig:
                 raise ValueError(f"recall_archive ({self.recall_archive}) must hold at least recall_budget ({self.recall_budget})")
             if self.recall_probe < 1:
                 raise ValueError(f"recall_probe must be >= 1, got {self.recall_probe}")
+            if self.recall_interval < 1:
+                raise ValueError(f"recall_interval must be >= 1, got {self.recall_interval}")
         if self.recall_budget < 0:
             raise ValueError(f"recall_budget must be >= 0, got {self.recall_budget}")
         if not policy.evicts:

@@ -122,11 +122,13 @@ def decode_step(
     origins: torch.Tensor,
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed tokens[b] to row b at slot slots[b], RoPE position positions[b]; rows are 0..B-1.
 
     tokens, slots, positions, origins: [B] int64 on the model's device; origins[b] is the token's
-    index in row b's sequence. cos_table, sin_table: [P, D] fp32.
+    index in row b's sequence. cos_table, sin_table: [P, D] fp32. queries: None, or [L, >= B, H_q, D]
+    where each layer's queries before RoPE are left (what chooses a recall window, `h2o_cache.recall`).
     Returns fp32 logits [B, V]. Writes each row's new key/value and origin (and zeroes its score) at
     its slot, and adds each key's softmax weight, summed over the KV head's query group, to its score.
     """
@@ -149,6 +151,8 @@ def decode_step(
                                   origins[None, :, None, None].expand(spread))
     for layer, lw in enumerate(w.layers):
         qkv = linear(rms_norm(x, lw.input_norm, w.eps), lw.qkv, lw.qkv_bias)
+        if queries is not None:
+            queries[layer, :b] = qkv[:, :h_q * d].view(b, h_q, d)
         qk = rotate(qkv[:, :(h_q + h_kv) * d].view(b, h_q + h_kv, d), cos, signed_sin)  # one RoPE for q and k
         k = qkv[:, h_q * d:(h_q + h_kv) * d].view(b, h_kv, d)
         v = qkv[:, (h_q + h_kv) * d:].view(b, h_kv, d)

@@ -13,7 +13,7 @@ import torch
 
 from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
-from h2o_cache.hf import forward, model_spec, probe
+from h2o_cache.hf import forward, model_spec
 from h2o_cache.sampling import Sample, Sampler, SamplingParams, sample
 from h2o_cache.text import StreamDecoder, byte_table
 
@@ -62,10 +62,9 @@ class Generator:
     def prefill(self, cache: H2OCache, tokens: list[list[int]], recall: bool = False) -> torch.Tensor:
         """Feed tokens[b] to row b, in chunks of at most `prefill_chunk` tokens per row.
 
-        recall: tokens are a new turn's prompt; with a cache that recalls, the last `recall_probe`
-        tokens of each row first probe the cache, and the archived blocks their queries point at are
-        recalled before they are fed (`H2OCache.recall`). The rest of the prompt is fed first, so a
-        long first turn recalls what its own beginning evicted.
+        recall: tokens are a new turn's prompt; with a cache that recalls, its last `recall_probe`
+        tokens (where the question usually is) are fed as chunks of their own, so that their queries
+        alone choose the recall window the reply starts with (every chunk chooses its own).
         Returns fp32 logits after each row's last token [B, V]. Every row needs >= 1 token.
         """
         if any(not t for t in tokens):
@@ -76,15 +75,7 @@ class Generator:
             if any(heads):
                 self._prefill(cache, heads)
             tokens = [t[-tail:] for t in tokens]
-            if cache.can_recall():
-                self.recall(cache, tokens)
         return torch.stack(self._prefill(cache, tokens))
-
-    def recall(self, cache: H2OCache, pieces: list[list[int]]) -> list[int]:
-        """Probe the cache with pieces[b] (not kept) and recall into row b what its queries point at;
-        returns the tokens recalled per row (per layer/head)."""
-        input_ids, n_new = self._padded(pieces)
-        return cache.recall(probe(self.model, cache, input_ids, n_new))
 
     def _prefill(self, cache: H2OCache, tokens: list[list[int]]) -> list[torch.Tensor | None]:
         """Logits after each row's last token; None for rows given no tokens."""

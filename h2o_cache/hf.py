@@ -19,7 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from h2o_cache.cache import H2OCache, ModelSpec, Probe
+from h2o_cache.cache import H2OCache, ModelSpec
 from h2o_cache.decode import DecoderWeights, LayerWeights
 from h2o_cache.quantized import QuantizedMatrix
 from h2o_cache.rope import RopeTable
@@ -163,23 +163,6 @@ def forward(
         last = torch.tensor(n_new, device=hidden.device) - 1
         hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     return model.get_output_embeddings()(hidden).float()
-
-
-@torch.no_grad()
-def probe(model: PreTrainedModel, cache: H2OCache, input_ids: torch.Tensor, n_new: list[int]) -> Probe:
-    """Run input_ids [B, C] through the model over the cache without keeping them; returns the
-    queries every layer asks with (for `H2OCache.recall`). The cache is left as it was."""
-    positions = cache.begin(n_new, probe=True)
-    try:
-        with _h2o_attention_enabled(model):
-            model.get_decoder()(
-                input_ids=input_ids, position_ids=positions, past_key_values=PastKeyValues(cache),
-                use_cache=True, h2o_cache=cache,
-            )
-    except BaseException:
-        cache.abort()
-        raise
-    return cache.end_probe()
 
 
 _LAYER_PARTS = {

@@ -123,7 +123,8 @@ class StepLayout(ctypes.Structure):
                    ("lm_head_kind", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
                 + [(name, ctypes.c_void_p) for name in ("keys", "values", "rotated", "scores", "origins")]
                 + [(name, ctypes.c_int64) for name in ("kv_layer_stride", "kv_row_stride", "score_layer_stride",
-                                                       "score_row_stride", "origin_layer_stride", "origin_row_stride")])
+                                                       "score_row_stride", "origin_layer_stride", "origin_row_stride")]
+                + [("queries", ctypes.c_void_p), ("query_layer_stride", ctypes.c_int64)])
 
 
 class NativeStep:
@@ -135,8 +136,11 @@ class NativeStep:
     Built over one cache's buffers: `step` must see the same buffers (StaticDecoder checks that).
     """
 
-    def __init__(self, weights, buffers, cos: torch.Tensor, sin: torch.Tensor, max_rows: int):
-        self._keep = (weights, buffers, cos, sin)  # the kernel reads these through raw pointers
+    def __init__(self, weights, buffers, cos: torch.Tensor, sin: torch.Tensor, max_rows: int,
+                 queries: torch.Tensor | None = None):
+        """queries: [L, max_rows, H_q, D] fp32 contiguous, where every step leaves each row's queries
+        before RoPE (to choose recall windows), or None."""
+        self._keep = (weights, buffers, cos, sin, queries)  # the kernel reads these through raw pointers
         layers = weights.layers
         pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else t.blocks.data_ptr()
                     for lw in layers for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)]
@@ -160,7 +164,9 @@ class NativeStep:
             kv_layer_stride=keys.stride(0), kv_row_stride=keys.stride(1),
             score_layer_stride=0 if buffers.scores is None else buffers.scores.stride(0),
             score_row_stride=0 if buffers.scores is None else buffers.scores.stride(1),
-            origin_layer_stride=buffers.origins.stride(0), origin_row_stride=buffers.origins.stride(1))
+            origin_layer_stride=buffers.origins.stride(0), origin_row_stride=buffers.origins.stride(1),
+            queries=None if queries is None else queries.data_ptr(),
+            query_layer_stride=0 if queries is None else queries.stride(0))
         self.logits = torch.empty(max_rows, self.layout.vocab)
 
     @staticmethod

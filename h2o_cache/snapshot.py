@@ -23,7 +23,7 @@ from safetensors.torch import save as save_tensors
 
 from h2o_cache.cache import H2OCache
 
-FORMAT_VERSION = 2  # 2: recall (the archive, pinned flags and counts)
+FORMAT_VERSION = 3  # 2: recall (the archive, pinned flags and counts); 3: the recall window in front
 ARCHIVE = "archive."
 
 
@@ -59,7 +59,7 @@ def _row_buffers(cache: H2OCache) -> dict[str, torch.Tensor]:
 
 
 def _row_lists(cache: H2OCache) -> dict[str, list]:
-    return {name: value for name, value in vars(cache).items() if isinstance(value, list) and name != "archives"}
+    return {name: value for name, value in vars(cache).items() if isinstance(value, list) and name not in ("archives", "windows")}
 
 
 def dump_row(cache: H2OCache, row: int, identity: str, extra: dict[str, str] | None = None) -> bytes:

@@ -14,12 +14,18 @@ for buckets of any size.
 
 Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
 budget, with the same ops as the transformers path, so both paths keep the same tokens.
+
+With recall, the step also leaves every row's queries before RoPE in a fixed buffer (a write, no
+read-back); every `recall_interval` steps, between steps, they choose each row's recall window
+(`recall.refresh`) for the steps that follow. The choice runs on the archive in host memory, outside
+the step and its graphs; the step's shapes and buffers never change.
 """
 
 from __future__ import annotations
 
 import torch
 
+from h2o_cache import recall
 from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import decode_step
@@ -77,11 +83,16 @@ class StaticDecoder:
         self.cache.reserve(max_rows, config.budget + config.recall_budget + 1, scratch=True)
         self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
+        self.queries = None  # [L, max_rows, H_q, D]: the last step's queries before RoPE, with recall
+        if config.recalls:
+            self.queries = torch.zeros(self.spec.num_layers, max_rows, self.weights.num_heads, self.spec.head_dim,
+                                       device=device, dtype=self.spec.dtype)
+        self.steps = 0
         self.native = None
         if native is not False and self.quantized_weights is not None:
             args = (self.quantized_weights, self.cache.buffers(), self._cos, self._sin)
             if NativeStep.supports(*args):
-                self.native = NativeStep(*args, max_rows=max_rows)
+                self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries)
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
         # tokens, slots and origins; with rolling a new token's RoPE position is its slot
@@ -95,8 +106,9 @@ class StaticDecoder:
     def step(self) -> torch.Tensor:
         """Feed every row its pending token; returns fp32 logits [B, V] (a view valid until the next step).
 
-        Rows that cross the budget are evicted before this returns; pending tokens are left for the
-        caller to replace with the next sampled ones.
+        Rows that cross the budget are evicted before this returns, and with recall, every
+        `recall_interval` steps, the step's queries choose the rows' recall windows; pending tokens
+        are left for the caller to replace with the next sampled ones.
         """
         cache = self.cache
         rows = cache.batch_size
@@ -123,6 +135,9 @@ class StaticDecoder:
         else:
             logits = self._run(bucket)
         cache.advance([1] * rows)
+        self.steps += 1
+        if self.queries is not None and self.steps % self.config.recall_interval == 0:
+            recall.refresh(cache, self.queries[:, :rows], self.weights.scaling)
         return logits[:rows]
 
     def _run(self, bucket: int) -> torch.Tensor:
@@ -132,7 +147,8 @@ class StaticDecoder:
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
-        return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin)
+        return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin,
+                           self.queries)
 
     def _capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the

@@ -84,7 +84,11 @@ class ServerSettings(BaseSettings):
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
     recall_probe: int = Field(
-        64, ge=1, le=65536, description="last tokens of a turn's prompt whose queries choose what is recalled")
+        64, ge=1, le=65536, description="last tokens of a turn's prompt, fed on their own so that their queries "
+                                        "(the question) choose the recall window the reply starts with")
+    recall_interval: int = Field(
+        1, ge=1, le=4096, description="decode steps between two choices of each conversation's recall window by "
+                                      "its latest queries (every prefill chunk chooses with its own)")
     max_archive_bytes: int = Field(
         8 << 30, ge=0, le=1 << 50, description="most host memory the archives of idle conversations take in all; "
                                                 "beyond, the least recently used lose theirs (they go on without "
@@ -135,7 +139,8 @@ class ServerSettings(BaseSettings):
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
                            position_rolling=self.position_rolling, prefill_chunk=self.prefill_chunk,
                            recall_budget=self.recall, recall_block=self.recall_block,
-                           recall_archive=self.recall_archive, recall_probe=self.recall_probe)
+                           recall_archive=self.recall_archive, recall_probe=self.recall_probe,
+                           recall_interval=self.recall_interval)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

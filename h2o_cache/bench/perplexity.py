@@ -10,9 +10,8 @@ Chunking: C = min(32, budget // 4), so eviction runs between chunks much as it w
 token; during a chunk the cache holds up to budget + C tokens. The full cache never evicts and its
 result does not depend on C, so it is fed in chunks of 128 for speed.
 
-With `--recall N`, each rolling budget also runs with a recall budget of N, the text cut into
-"turns" of `--recall-every` tokens: at each turn's first chunk the cache recalls what that chunk's
-queries point at (`H2OCache.recall`), as the server does at a user turn.
+With `--recall N`, each rolling budget also runs with a recall window of N tokens: every chunk first
+fills each layer and head's window with the archived blocks its queries point at (`h2o_cache.recall`).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from h2o_cache import CacheConfig, H2OCache, forward, model_spec
-from h2o_cache.hf import probe
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
 
 FULL_CHUNK = 128
@@ -38,31 +36,28 @@ FULL_CHUNK = 128
 class Run:
     label: str
     config: CacheConfig
-    recall_every: int = 0  # tokens per turn, each starting with a recall; 0 for none
 
     @property
     def chunk(self) -> int:
         return self.config.prefill_chunk
 
 
-def runs(budgets: list[int], no_rolling_budgets: list[int], full: bool = True, recall: int = 0,
-         recall_every: int = 512) -> list[Run]:
+def runs(budgets: list[int], no_rolling_budgets: list[int], full: bool = True, recall: int = 0) -> list[Run]:
     def h2o(budget: int, rolling: bool, recall: int = 0) -> Run:
         label = f"h2o {budget}" + ("" if rolling else " no-roll") + (f" +r{recall}" if recall else "")
         chunk = max(1, min(32, budget // 4))
         config = CacheConfig(policy="h2o", budget=budget, position_rolling=rolling, prefill_chunk=chunk, recall_budget=recall)
-        return Run(label, config, recall_every if recall else 0)
+        return Run(label, config)
 
     out = [h2o(b, True) for b in budgets] + [h2o(b, False) for b in no_rolling_budgets]
     out += [h2o(b, True, recall) for b in budgets] if recall else []
     return out + ([Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))] if full else [])
 
 
-def stream_nll(model, config: CacheConfig, tokens: torch.Tensor, recall_every: int = 0) -> torch.Tensor:
+def stream_nll(model, config: CacheConfig, tokens: torch.Tensor) -> torch.Tensor:
     """NLL in nats of tokens[1:] [N-1], each predicted from the cache as it stood at its turn.
 
-    tokens: [N] int64. Chunks of config.prefill_chunk tokens are fed through one fresh cache; with
-    recall_every, the chunk at every multiple of it is first probed and recalled for.
+    tokens: [N] int64. Chunks of config.prefill_chunk tokens are fed through one fresh cache.
     """
     cache = H2OCache(model_spec(model), config, rows=1)
     chunk, last = config.prefill_chunk, len(tokens) - 1
@@ -70,8 +65,6 @@ def stream_nll(model, config: CacheConfig, tokens: torch.Tensor, recall_every: i
     for start in range(0, last, chunk):
         piece = tokens[start:min(start + chunk, last)]
         ids = piece[None].to(cache.spec.device)
-        if recall_every and start and start % recall_every < chunk and cache.can_recall():
-            cache.recall(probe(model, cache, ids, [len(piece)]))
         logits = forward(model, cache, ids, [len(piece)], all_logits=True)[0]
         targets = tokens[start + 1:start + 1 + len(piece)].to(logits.device)
         nll.append(F.cross_entropy(logits, targets, reduction="none").cpu())
@@ -115,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache baseline")
     parser.add_argument("--edge", type=int, default=10240, help="tokens compared at the start and end of the run")
     parser.add_argument("--recall", type=int, default=0, help="also run each rolling budget with this recall budget")
-    parser.add_argument("--recall-every", type=int, default=512, help="tokens per turn (each turn starts with a recall)")
     add_model_args(parser)
     args = parser.parse_args(argv)
 
@@ -123,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     tokens = torch.tensor(tokenizer.encode(args.text.read_text())[:args.tokens])
     window = getattr(model.config, "max_position_embeddings", 0)
     perplexities, drift = {}, {}
-    for run in runs(args.budgets, args.no_rolling_budgets, not args.no_full, args.recall, args.recall_every):
+    for run in runs(args.budgets, args.no_rolling_budgets, not args.no_full, args.recall):
         began = time.perf_counter()
-        nll = stream_nll(model, run.config, tokens, run.recall_every)
+        nll = stream_nll(model, run.config, tokens)
         perplexities[run.label] = segment_perplexity(nll, args.segment)
         drift[run.label] = edges(nll, args.edge)
         print(f"{run.label} (chunk {run.chunk}): {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)

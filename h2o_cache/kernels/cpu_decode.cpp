@@ -224,6 +224,8 @@ struct Layout {
     int64_t* origins;
     int64_t kv_layer_stride, kv_row_stride, score_layer_stride, score_row_stride, origin_layer_stride,
         origin_row_stride;
+    float* queries;                    // may be null; else [layers, rows, heads, head_dim]: each row's
+    int64_t query_layer_stride;        // queries before RoPE (what chooses a recall window)
 };
 
 inline float hsum8(__m256 s) {
@@ -347,6 +349,8 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
             if (s.rotated) memcpy(s.keys + at + slot * D, x + (H + h) * D, D * sizeof(float));
             rope(x + (H + h) * D, cos, sin, keys + slot * D, D);
             memcpy(s.values + at + slot * D, x + (H + Hkv + h) * D, D * sizeof(float));
+            if (s.queries)
+                memcpy(s.queries + layer * s.query_layer_stride + (b * H + h * G) * D, x + h * G * D, G * D * sizeof(float));
             for (int64_t g = 0; g < G; ++g) {
                 const float* qg = q.data() + g * D;
                 float* p = probs.data() + g * padded;

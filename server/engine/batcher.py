@@ -202,6 +202,8 @@ class Batcher:
             seq.output_ids, skip_special_tokens=False)
         session.token_ids = seq.token_ids
         session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
+        spec = cache.spec
+        seq.recalled = (cache.recall_count[0] - seq.recall_base) // (spec.num_layers * spec.num_kv_heads)
         self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
         durable = self.persistence.save_turn(session) if self.persistence is not None else None
         self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids),

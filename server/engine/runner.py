@@ -48,21 +48,21 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], chunk: int) -> list[Sample | None | Exception]:
         """Feed the next chunk (<= `chunk` tokens) of each waiting sequence to its own cache, in one pass.
 
-        Sequences whose next chunk starts their probe first recall with it, together in one probe
-        pass (`Generator.recall`); one whose recall fails feeds nothing and fails alone.
+        With recall, every row's chunk first fills the row's recall window with what its own queries
+        point at (inside the pass, `h2o_cache.recall`).
         Returns per sequence its first token once its whole prompt is in, None while more remains,
         or the error it raised. The rows share a temporary batch cache for the pass and go back to
         their own caches after it.
         """
         pieces = [seq.next_chunk(chunk) for seq in seqs]
         if len(seqs) == 1:
-            results = self._recall_and_feed(seqs[0].cache, pieces, seqs)
+            results = self._feed(seqs[0].cache, pieces)
         else:
             batch = self.generator.new_cache(0)
             for seq in seqs:
                 batch.extend(seq.cache, move=True)
             try:
-                results = self._recall_and_feed(batch, pieces, seqs)
+                results = self._feed(batch, pieces)
             finally:
                 for row in reversed(range(len(seqs))):  # from the last: no row moves
                     seqs[row].cache = batch.pop(row)
@@ -76,18 +76,9 @@ class ModelRunner:
                 out[i] = drawn
         return out
 
-    def _recall_and_feed(self, cache: H2OCache, pieces: list[list[int]], seqs: list[Sequence]) -> list:
-        """Recall for the rows whose probe is due, then feed every row that did not fail its piece."""
-        due = [seq.recall_due for seq in seqs]
-        probes = [seq.probe if is_due and cache.can_recall(row) else [] for row, (seq, is_due) in enumerate(zip(seqs, due))]
-        recalled = self._guarded(lambda some: self.generator.recall(cache, some), probes)
-        for seq, is_due, count in zip(seqs, due, recalled):
-            if is_due and not isinstance(count, Exception):
-                seq.recall_at, seq.recalled = None, count or 0  # None: nothing to recall
-        failed = [isinstance(count, Exception) for count in recalled]
-        fed = self._guarded(lambda some: self.generator.step(cache, some),
-                            [[] if bad else piece for bad, piece in zip(failed, pieces)])
-        return [count if bad else logits for bad, count, logits in zip(failed, recalled, fed)]
+    def _feed(self, cache: H2OCache, pieces: list[list[int]]) -> list:
+        """Feed every row its piece in one pass; a row that fails fails alone."""
+        return self._guarded(lambda some: self.generator.step(cache, some), pieces)
 
     def decode(self, running: list[Sequence]) -> list[Sample | Exception]:
         """One step feeding every row of the batch its pending token. Returns per row its next token,
@@ -117,9 +108,8 @@ class ModelRunner:
         tokens is retried alone (the others given none), so that only the rows that fail lose their
         request. That costs B passes, but only on the failure path. Rows without tokens get None.
 
-        A failed pass leaves the cache as it was (`H2OCache.abort`). A failed recall may have recalled
-        into the rows before the one that raised: alone, they recall again (what the first recall
-        brought back is unpinned and competes again), which costs them nothing they held.
+        A failed pass leaves the cache as it was (`H2OCache.abort`), but for the recall windows it may
+        have filled: those hold archived blocks either way, and the next pass chooses them again.
         """
         if not any(pieces):
             return [None] * len(pieces)

@@ -29,11 +29,11 @@ class Sequence:
     before this turn (see `token_ids`). While RUNNING, its row of the batch cache holds
     the state and `cache` is None; the row's pending token is the last one sampled.
 
-    When the cache recalls, the turn's last `recall_probe` tokens are its probe: `recall_at` is
-    where they start in `turn.prefill` until the runner has recalled with them (if the row then has
-    anything to recall: a long first turn may have archived its own beginning), just before feeding
-    them (`Generator.prefill(recall=True)`, a chunk at a time); `recalled` then counts the tokens per
-    layer/KV head the recall brought back.
+    When the cache recalls, the turn's last `recall_probe` tokens (where the question usually is)
+    are fed as chunks of their own, so that their queries alone choose the recall window the reply
+    starts with, as `Generator.prefill(recall=True)` does: `tail_at` is where they start in
+    `turn.prefill`. `recalled` counts the tokens per layer/KV head copied into the window during the
+    turn (set when it finishes).
     """
 
     session: Session
@@ -48,8 +48,9 @@ class Sequence:
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
     output_ids: list[int] = field(default_factory=list)
-    recall_at: int | None = None  # None: no recall due (the cache does not recall, or it is done)
+    tail_at: int | None = None  # None: the cache does not recall
     recalled: int = 0
+    recall_base: int = 0  # the cache's recall_count when the turn started
     cancelled: bool = False  # set from the asyncio thread; read by the engine thread between steps
 
     @property
@@ -57,20 +58,11 @@ class Sequence:
         return self.prefilled == len(self.turn.prefill)
 
     def next_chunk(self, size: int) -> list[int]:
-        """The next <= `size` tokens to feed; a chunk ends where the probe starts, so it is fed on its own."""
+        """The next <= `size` tokens to feed; a chunk ends where the tail starts, so it is fed on its own."""
         end = self.prefilled + size
-        if self.recall_at is not None and self.prefilled < self.recall_at:
-            end = min(end, self.recall_at)
+        if self.tail_at is not None and self.prefilled < self.tail_at:
+            end = min(end, self.tail_at)
         return self.turn.prefill[self.prefilled:end]
-
-    @property
-    def recall_due(self) -> bool:
-        """Whether the next chunk is the probe's first, so the runner recalls before feeding it."""
-        return self.recall_at == self.prefilled
-
-    @property
-    def probe(self) -> list[int]:
-        return self.turn.prefill[self.recall_at:]
 
     @property
     def started(self) -> bool:
@@ -87,8 +79,9 @@ class Sequence:
         self.history = self.session.token_ids[:cache.seen[0]] if cache is not None else array("i")
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
-        if self.cache.config.recalls:  # the probe is fed on its own, as `Generator.prefill` does
-            self.recall_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
+        if self.cache.config.recalls:  # the tail is fed on its own, as `Generator.prefill` does
+            self.tail_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
+        self.recall_base = self.cache.recall_count[0]
         self.sampler = Sampler(self.params)
         self.decoder = new_decoder(self.params.stop)
 

@@ -46,14 +46,17 @@ def test_edges_compare_the_first_and_last_tokens_of_a_run():
     assert first == math.exp(1.0) and last == math.exp(3.0)
 
 
-def test_recall_runs_recall_at_each_turn_and_stay_finite(tiny_model, monkeypatch):
-    from h2o_cache import H2OCache
+def test_recall_chooses_a_window_at_every_chunk_once_blocks_are_archived_and_stays_finite(tiny_model, monkeypatch):
+    from h2o_cache import recall
 
-    recalls = []
-    original = H2OCache.recall
-    monkeypatch.setattr(H2OCache, "recall", lambda self, probe: recalls.append(self.seen[0]) or original(self, probe))
-    [run] = [r for r in runs([32], [], full=False, recall=16, recall_every=48) if r.config.recalls]
-    assert run.label == "h2o 32 +r16" and run.recall_every == 48
-    nll = stream_nll(tiny_model, run.config, TOKENS, run.recall_every)
+    chosen = []
+    original = recall.choose
+    monkeypatch.setattr(recall, "choose", lambda cache, row, *a, **k: chosen.append(cache.seen[row]) or original(cache, row, *a, **k))
+    [run] = [r for r in runs([32], [], full=False, recall=16) if r.config.recalls]
+    assert run.label == "h2o 32 +r16"
+    nll = stream_nll(tiny_model, run.config, TOKENS)
     assert nll.shape == (len(TOKENS) - 1,) and torch.isfinite(nll).all()
-    assert recalls == [48, 96, 144]  # every turn but the first (nothing archived yet)
+    layers = tiny_model.config.num_hidden_layers
+    # chunks of 8; the window opens once the archive holds a 16-token block (the first evictions
+    # archive 2 tokens each), then every layer of every later chunk chooses
+    assert chosen and len(chosen) % layers == 0 and chosen[0] > 32 and chosen == sorted(chosen)

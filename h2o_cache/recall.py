@@ -1,0 +1,120 @@
+"""The recall window: the archived blocks the latest queries point at, held in front of a cache row.
+
+With `recall_budget` R, each row of an `H2OCache` keeps its first `recalled[row]` slots (up to R per
+layer and KV head, whole blocks) as a window onto its `Archive` of evicted tokens. The window holds
+*copies* of the archive's blocks that the queries of the latest pass chose, per layer and KV head
+(Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk and every decode step on the
+transformers path choose with the queries of that very pass, before its attention; the fast decode
+step (`StaticDecoder`) chooses with the queries of its last step, every `recall_interval` steps. The
+archive keeps every block, so a block that falls out of the chosen set is not lost, and a block is in
+the window at most once; the window never competes for the budget (its slots are pinned).
+
+Layout of a row with a window of r slots (position rolling: a slot's position is its index):
+    [0, r)        the window: recalled keys rotated to positions 0..r-1, their values and origins
+    [r, length)   the row's own tokens, evicted by the policy down to its budget as without recall
+The window grows (up to R) as the archive gains blocks; growing shifts the row's tokens right and
+re-rotates them, which happens only during the first evictions of a row (R / evict_slack of them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from h2o_cache.rope import rotate, rotate_into
+
+if TYPE_CHECKING:
+    from h2o_cache.cache import H2OCache
+
+
+def window_size(cache: H2OCache, row: int) -> int:
+    """Slots the row's window should have: R, or what the archive's full blocks fill."""
+    archive = cache.archives[row]
+    if archive is None:
+        return 0
+    return min(cache.config.recall_budget, archive.full_blocks * cache.config.recall_block)
+
+
+@torch.no_grad()
+def grow(cache: H2OCache, row: int) -> bool:
+    """Widen the row's window to `window_size` (its own tokens move right, re-rotated); the new window
+    holds the archive's newest blocks until queries choose. Returns whether it grew."""
+    want, have = window_size(cache, row), cache.recalled[row]
+    if want <= have:
+        return False
+    n = cache.lengths[row]
+    shift = want - have
+    cache._reserve(cache.batch_size, n + shift)
+    for buffer in (cache._keys, cache._values, cache._scores, cache._origins, cache._pinned):
+        if buffer is not None:
+            buffer[:, row, :, want:n + shift] = buffer[:, row, :, have:n].clone()
+    cos, sin = cache.spec.rope.get(n + shift)
+    rotate_into(cache._rotated[:, row, :, want:n + shift], cache._keys[:, row, :, want:n + shift],
+                cos[want:n + shift], sin[want:n + shift])
+    cache._pinned[:, row, :, :want] = True
+    cache.lengths[row] = n + shift
+    cache.recalled[row] = want
+    archive = cache.archives[row]
+    blocks = want // cache.config.recall_block
+    newest = torch.arange(archive.full_blocks - blocks, archive.full_blocks)
+    cache.windows[row] = None
+    fill(cache, row, newest.expand(*archive.shape, blocks))
+    return True
+
+
+@torch.no_grad()
+def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float) -> None:
+    """Between decode steps: widen every row's window that can grow, then fill each row's window with
+    what its queries ([L, B, H_q, D] before RoPE, one token per row) point at."""
+    for row in range(cache.batch_size):
+        grow(cache, row)
+        if cache.recalled[row]:
+            choose(cache, row, queries[:, row, :, None], scaling)
+
+
+@torch.no_grad()
+def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, layers: slice = slice(None)) -> None:
+    """Fill the row's window in `layers` with the blocks `queries` ([L', H_q, Q, D] before RoPE, the
+    row's queries of those layers) would attend to most (`Archive.select`), per KV head."""
+    r = cache.recalled[row]
+    if not r:
+        return
+    spec = cache.spec
+    group = queries.shape[1] // spec.num_kv_heads
+    # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
+    grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
+    chosen = cache.archives[row].select(grouped, scaling, r // cache.config.recall_block, layers)
+    fill(cache, row, chosen, layers)
+
+
+@torch.no_grad()
+def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(None)) -> None:
+    """Make the window of `layers` hold `chosen` ([L', H_kv, b] archive block indices, ascending, b
+    blocks filling the window), rewriting only the heads whose choice changed."""
+    archive = cache.archives[row]
+    first = layers.start or 0
+    current = cache.windows[row]
+    if current is None or current[0] != archive.epoch:
+        current = (archive.epoch, torch.full((*archive.shape, chosen.shape[-1]), -1, dtype=torch.int64))
+        cache.windows[row] = current
+    held = current[1][layers]
+    changed = (held != chosen).any(dim=-1)  # [L', H_kv]
+    if not bool(changed.any()):
+        return
+    layer_ids, head_ids = changed.nonzero(as_tuple=True)
+    keys, values, origins = archive.gather_heads(layer_ids + first, head_ids, chosen[layer_ids, head_ids],
+                                                 ("keys", "values", "origins"))
+    device = cache.spec.device
+    r = keys.shape[1]
+    at = (layer_ids + first).to(device), head_ids.to(device)
+    cos, sin = cache.spec.rope.get(r)
+    keys = keys.to(device)
+    cache._keys[at[0], row, at[1], :r] = keys
+    cache._rotated[at[0], row, at[1], :r] = rotate(keys.float(), cos, sin).to(keys.dtype)
+    cache._values[at[0], row, at[1], :r] = values.to(device)
+    cache._origins[at[0], row, at[1], :r] = origins.to(device)
+    if cache._scores is not None:
+        cache._scores[at[0], row, at[1], :r] = 0.0
+    held[changed] = chosen[changed]
+    cache.recall_count[row] += len(layer_ids) * r
