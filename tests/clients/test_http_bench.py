@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from h2o_cache import SamplingParams
-from server import http_bench
+from clients import http_bench
 from server.app import create_app
 from server.engine.stub import StubEngine
 from server.engine.types import ChatRequest

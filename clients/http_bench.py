@@ -1,10 +1,10 @@
 """What one server process's HTTP side sustains: the real app on a `StubEngine`, no model.
 
-    python -m server.http_bench --streams 1 64 128 --tokens 400 --step-ms 5
+    python -m clients.http_bench --streams 1 64 128 --tokens 400 --step-ms 5
 
 For each variant (`--variants`: a uvicorn http/loop stack, `auto/auto` being what the server picks,
 `h11/asyncio` what a plain `pip install uvicorn` gives, `httptools/uvloop` what `uvicorn[standard]`
-gives; `+switch=MS` sets the server's GIL switch interval) it starts a server on a stub engine that emits a
+gives; `+switch=MS` sets the server's GIL switch interval) it starts a server on a stub engine (`python -m server.stub_serve`) that emits a
 token to every running stream each `--step-ms` (a fast GPU step), streams `--tokens` tokens to each
 of N concurrent raw-socket clients, and prints the tokens/s delivered and the server's CPU time per
 token, with each variant's ratio to the first, all measured in one run. The load generator runs in
@@ -27,24 +27,6 @@ from urllib.parse import urlsplit
 from clients.server_proc import start_server, stop_server
 
 TOKEN = b" t"  # the stub's tokens are " t0", " t1", ...; nothing else in its SSE frames has a space
-
-
-def serve(port: int, variant: str, step_ms: float) -> None:
-    import uvicorn
-
-    from server.app import create_app
-    from server.engine.stub import StubEngine
-    from server.settings import ServerSettings
-
-    stack, *options = variant.split("+")
-    http, loop = stack.split("/")
-    for option in options:
-        if option.startswith("switch="):
-            sys.setswitchinterval(float(option.removeprefix("switch=")) / 1000)
-    engine = StubEngine(step_ms / 1000)
-    engine.start()
-    app = create_app(ServerSettings(), engine=engine)
-    uvicorn.run(app, host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning")
 
 
 async def stream(port: int, tokens: int) -> tuple[int, bool]:
@@ -78,8 +60,11 @@ async def load(port: int, streams: int, tokens: int) -> tuple[float, int, int]:
 
 
 def measure(variant: str, streams: list[int], tokens: int, step_ms: float, log: str) -> dict[int, dict]:
-    proc, url = start_server(["--serve", "--variants", variant, "--step-ms", str(step_ms)], Path(log),
-                             ready_timeout=60, module="server.http_bench")
+    stack, *options = variant.split("+")
+    http, loop = stack.split("/")
+    extra = [arg for option in options if option.startswith("switch=") for arg in ("--switch-ms", option.removeprefix("switch="))]
+    proc, url = start_server(["--http", http, "--loop", loop, "--step-ms", str(step_ms), *extra], Path(log),
+                             ready_timeout=60, module="server.stub_serve")
     port = urlsplit(url).port
     try:
         asyncio.run(load(port, 4, 20))  # warm-up: imports, first connections
@@ -111,14 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated http/loop[+switch=MS] variants; the first is the reference "
                              "(default: h11/asyncio, and httptools/uvloop when both are installed)")
     parser.add_argument("--log", default="http_bench.log", help="the stub servers' output")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
-    if args.serve:
-        serve(args.port, variants[0], args.step_ms)
-        return 0
     try:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
