@@ -1,0 +1,102 @@
+"""The fast decode step stays capture-safe with recall: run under a dispatch mode that fails on every op
+that reads a tensor back to the host or returns a shape that depends on tensor values, the whole
+torch step (`decode.decode_step`, the body a CUDA graph captures, the queries it leaves for the recall
+window included) runs without one, for every bucket; and the buffers a step reads are never
+reallocated by anything between steps (eviction, archiving, the window's choice and growth).
+
+The window's choice itself runs between steps, on the host where the archive lives (see
+`h2o_cache/recall.py` and the README's GPU notes); this file holds the step to its contract.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from h2o_cache import CacheConfig, Generator, StaticDecoder
+from tests.conftest import ByteTokenizer, tiny_llama
+
+aten = torch.ops.aten
+# Ops that copy a value to the host, or whose output shape depends on tensor values.
+FORBIDDEN = {
+    aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,
+    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.equal.default,
+    aten.is_nonzero.default, aten.repeat_interleave.Tensor, aten.masked_scatter.default,
+}
+
+
+class NoHostReads(TorchDispatchMode):
+    """Records every op dispatched while active; `forbidden` lists those in FORBIDDEN, and every op that
+    indexes with a boolean mask (which needs a nonzero of the mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.forbidden = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append(func)
+        boolean_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
+        if func in FORBIDDEN or boolean_index:
+            self.forbidden.append(func)
+        return func(*args, **kwargs)
+
+
+def test_the_mode_catches_what_it_must():
+    x = torch.arange(6.0)
+    with NoHostReads() as mode:
+        x.sum().item()
+        x.nonzero()
+        x[x > 2]
+        torch.unique(x)
+    assert len(mode.forbidden) == 4
+
+
+@pytest.fixture(scope="module")
+def recalling_decoder():
+    model = tiny_llama(init_std=0.3)
+    config = CacheConfig(budget=24, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4, recall_archive=256)
+    gen = Generator(model, ByteTokenizer(), config)
+    decoder = StaticDecoder(model, config, max_rows=8, quantized=False, native=False)
+    for n in (90, 60, 33, 10, 75):  # most rows have archived blocks and an open window; one has none
+        row = gen.new_cache(1)
+        gen.prefill(row, [[(7 * i + n) % 120 + 3 for i in range(n)]])
+        row.pending = [[5 + n % 50]]
+        decoder.cache.extend(row)
+    assert sum(1 for r in decoder.cache.recalled if r) >= 3
+    return decoder
+
+
+def buffers_read(decoder: StaticDecoder) -> dict[str, int]:
+    out = {name: t.data_ptr() for name, t in vars(decoder.cache.buffers()).items() if t is not None}
+    return out | {"queries": decoder.queries.data_ptr(), "inputs": decoder._inputs.data_ptr(),
+                  "cos": decoder._cos.data_ptr(), "sin": decoder._sin.data_ptr()}
+
+
+@pytest.mark.parametrize("bucket", [1, 2, 4, 8])
+def test_every_bucket_of_the_step_runs_without_host_reads_or_data_dependent_shapes(recalling_decoder, bucket):
+    decoder = recalling_decoder
+    cache = decoder.cache
+    rows = min(bucket, cache.batch_size)
+    decoder._inputs.zero_()
+    decoder._inputs[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen])[:, :rows]
+    before = decoder.queries.clone()
+    with NoHostReads() as mode:
+        logits = decoder._run(bucket)
+    assert mode.ops and not mode.forbidden, mode.forbidden
+    assert logits.shape == (bucket, decoder.weights.embed.shape[0]) and torch.isfinite(logits).all()
+    assert not torch.equal(decoder.queries[:, :rows], before[:, :rows])  # the step left its queries
+
+
+def test_steps_with_evictions_and_window_choices_never_reallocate_what_the_step_reads(recalling_decoder):
+    decoder = recalling_decoder
+    cache = decoder.cache
+    pointers = buffers_read(decoder)
+    grown = list(cache.recalled)
+    counted = list(cache.recall_count)
+    for _ in range(20):  # several evictions per row; windows grow and are chosen again
+        logits = decoder.step()
+        cache.pending = [[int(t)] for t in logits.argmax(dim=-1)]
+    assert buffers_read(decoder) == pointers
+    assert any(after > before for after, before in zip(cache.recalled, grown))  # the empty row's window opened
+    assert any(after > before for after, before in zip(cache.recall_count, counted))  # choices changed windows
