@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from h2o_cache import recall
+from h2o_cache import compaction, recall
 from h2o_cache.archive import Archive
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import CacheBuffers
-from h2o_cache.eviction import accumulate_scores, keep_indices, take_vectors
+from h2o_cache.eviction import accumulate_scores
 from h2o_cache.policies import get_policy
-from h2o_cache.rope import RopeTable, rotate_into, unrotate
+from h2o_cache.rope import RopeTable, unrotate
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class H2OCache:
         self.policy = get_policy(config.policy)
         self._keys = self._values = self._rotated = self._scores = self._origins = self._pinned = None
         self._keeps_scratch = False  # see `reserve`
-        self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`_kept`)
+        self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`compaction.kept_vectors`)
         self.archives: list[Archive | None] = []
         self.recalled: list[int] = []
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
@@ -346,92 +346,7 @@ class H2OCache:
             budget = self.config.budget
             over = [row for row, n in enumerate(self.lengths) if n > budget + self.recalled[row]]
             if over:
-                self._evict(over)
-
-    def _evict(self, rows: list[int]) -> None:
-        """Cut each of `rows` to the target (plus its pinned tokens): its sinks, its recent window, its
-        pinned tokens and, per layer and KV head, the tokens of highest priority; kept keys are
-        re-rotated to their new slots when rolling. With recall, the others go to the row's archive."""
-        spec, config = self.spec, self.config
-        device = spec.device
-        keep = [config.target + self.recalled[row] for row in rows]
-        target = max(keep)
-        longest = max(self.lengths[row] for row in rows)
-        first = rows[0]
-        if rows == list(range(first, first + len(rows))):  # the usual case: plain slices, no copies
-            picked = slice(first, first + len(rows))
-        else:
-            picked = torch.tensor(rows, device=device)
-        scores = self._scores[:, picked, :, :longest] if self._scores is not None else None
-        priority = self.policy.priority(scores, torch.arange(longest, device=device))
-        priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
-        lengths = torch.tensor([self.lengths[row] for row in rows], device=device)
-        kept = torch.tensor(keep, device=device)
-        pinned = self._pinned[:, picked, :, :longest] if self._pinned is not None else None
-        index = keep_indices(  # [L, rows, H, target]
-            priority, lengths, kept, config.sinks, config.recent, width=target, pinned=pinned,
-        )
-        if config.recalls:
-            self._archive(rows, index, lengths, keep, longest)
-            real = (torch.arange(target, device=device) < kept[:, None])[None, :, None]  # [1, rows, 1, target]
-            self._pinned[:, picked, :, :target] = pinned.gather(3, index) & real
-            self._pinned[:, picked, :, target:longest] = False
-        if scores is not None:
-            self._scores[:, picked, :, :target] = scores.gather(3, index)
-        self._origins[:, picked, :, :target] = self._origins[:, picked, :, :longest].gather(3, index)
-        # index's row (l, rows[i], h) starts at vector ((l * R + rows[i]) * H + h) * capacity of a buffer
-        layers, rows_capacity, heads, capacity, _ = self._keys.shape
-        starts = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
-                  + torch.tensor(rows, device=device)[None, :, None]) * heads + torch.arange(heads, device=device)
-        starts = starts[..., None] * capacity
-        kept_keys = self._kept(self._keys, starts, index)
-        if self.config.rolling:
-            # Slots moved: every kept key takes the RoPE rotation of its new slot.
-            cos, sin = spec.rope.get(target)
-            if isinstance(picked, slice):
-                rotate_into(self._rotated[:, picked, :, :target], kept_keys, cos, sin)
-            else:
-                rotated = torch.empty_like(kept_keys)
-                rotate_into(rotated, kept_keys, cos, sin)
-                self._rotated[:, picked, :, :target] = rotated
-        self._keys[:, picked, :, :target] = kept_keys
-        self._values[:, picked, :, :target] = self._kept(self._values, starts, index)
-        for row, n in zip(rows, keep):
-            self.lengths[row] = n
-
-    def _kept(self, buffer: torch.Tensor, starts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The vectors `index` ([L, rows, H, width]) keeps of `buffer`, [L, rows, H, width, D]
-        (`take_vectors`); in the eviction scratch (`reserve`) when the cache keeps one, so valid until
-        the next call. Measured for the keys of 8 rows at 384 slots, one thread: 117 ms for a gather
-        with the index expanded to every channel into a fresh tensor, 58 ms for index_select into a
-        fresh tensor (page faults), 15 ms into the scratch.
-        """
-        if not self._keeps_scratch:
-            return take_vectors(buffer, starts, index)
-        size = index.numel() * buffer.shape[-1]
-        if self._scratch is None or self._scratch.numel() < size:
-            self._scratch = torch.empty(size, device=buffer.device, dtype=buffer.dtype)
-        return take_vectors(buffer, starts, index, out=self._scratch)
-
-    def _archive(self, rows: list[int], index: torch.Tensor, lengths: torch.Tensor, keep: list[int], longest: int) -> None:
-        """Move what an eviction drops to each row's archive: per layer and head, the slots below the
-        row's length that `index` ([L, rows, H, width], see `_evict`) does not keep, in slot order."""
-        spec = self.spec
-        slots = torch.arange(longest, device=spec.device)
-        shape = (spec.num_layers, len(rows), spec.num_kv_heads, longest)
-        kept = torch.zeros(shape, dtype=torch.bool, device=spec.device).scatter_(3, index, True)
-        dropped = ~kept & (slots < lengths[:, None, None])
-        order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)  # dropped slots first, ascending
-        for i, (row, n) in enumerate(zip(rows, keep)):
-            gone = order[:, i, :, :self.lengths[row] - n]  # [L, H, m]
-            vectors = gone[..., None].expand(-1, -1, -1, spec.head_dim)
-            if self.archives[row] is None:
-                self.archives[row] = self.new_archive()
-            self.archives[row].append(
-                self._keys[:, row].gather(2, vectors), self._values[:, row].gather(2, vectors),
-                self._scores[:, row].gather(2, gone) if self._scores is not None else None,
-                self._origins[:, row].gather(2, gone),
-            )
+                compaction.evict(self, over)
 
     def new_archive(self) -> Archive:
         spec, config = self.spec, self.config

@@ -6,6 +6,11 @@ after a fixed opening ("The pass key is ", its space included), and a key counts
 greedy decoding would produce every one of its tokens there; this equals greedy generation after
 that opening and costs one pass per answer token. All keys of one cell run as rows of one batch.
 
+`--facts N` plants N labelled pass keys (one per coloured door) at N depths of one prompt, evenly
+spaced, and asks for them in turn, one per user turn, each answer fed (teacher-forced) before the next
+question: cell "fact k" scores the k-th question over every key set, all of whose keys sit in the
+same pasted document.
+
 `--chat N ...` asks the way the product is used instead: turn 1 tells the key, then N turns each
 paste ~350 words of the filler and ask for a one-line summary (the assistant's replies are a fixed
 short acknowledgement, teacher-forced, to keep the runs cheap), and the last turn asks for the key.
@@ -28,7 +33,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
@@ -137,6 +141,57 @@ def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, wo
     return Chat(pieces, Item(opening, answer))
 
 
+DOORS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple"]
+
+
+def facts_prompts(gen: Generator, filler: list[int], facts: int, seed: int) -> tuple[list[int], list[Chat]]:
+    """`facts` labelled keys at depths (i + 0.5) / facts of one document, asked for in turn.
+
+    Returns the tokens before the first needle (shared by every question of this key set) and one
+    Chat per question: the rest of the document turn (whose question is the first), then for each
+    earlier question its answer as the assistant's reply and the next question as a user turn.
+    """
+    rng = random.Random(seed)
+    doors = DOORS[:facts]
+    keys = {door: rng.randrange(10_000, 100_000) for door in doors}
+    asked = rng.sample(doors, facts)
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    marker = "\x00"
+    intro = (f"There are {facts} pass keys hidden in the text below, one for each of the {', '.join(doors)} doors. "
+             f"Find them and remember them.\n\n{marker}\n\n")
+    question = lambda door: f"What is the pass key of the {door} door?"  # noqa: E731
+    reply = lambda door: f"The pass key of the {door} door is {keys[door]}."  # noqa: E731
+    messages = [{"role": "user", "content": intro + question(asked[0])}]
+    for before, door in zip(asked, asked[1:]):
+        messages += [{"role": "assistant", "content": reply(before)}, {"role": "user", "content": question(door)}]
+    render = lambda upto, ask: gen.tokenizer.apply_chat_template(  # noqa: E731
+        messages[:upto], tokenize=False, add_generation_prompt=ask)
+    head, tail = render(1, True).split(marker)
+    document, at = [], 0
+    for i, door in enumerate(doors):
+        depth = int((i + 0.5) / facts * len(filler))
+        document += filler[at:depth] + encode(f" The pass key of the {door} door is {keys[door]}. Remember it. "
+                                              f"{keys[door]} is the pass key of the {door} door. ")
+        at = depth
+    document += filler[at:]
+    first_needle = int(0.5 / facts * len(filler))
+    prefix = encode(head) + document[:first_needle]
+    turns = [(document[first_needle:] + encode(tail), True)]
+    chats, rendered = [], render(1, True)
+    for k, door in enumerate(asked):
+        if k:
+            reply_text, question_text = render(2 * k, False), render(2 * k + 1, True)
+            turns = turns + [(encode(reply_text[len(rendered):]), False), (encode(question_text[len(reply_text):]), True)]
+            rendered = question_text
+        opening = f"The pass key of the {door} door is"
+        opening_ids, whole = encode(opening), encode(f"{opening} {keys[door]}")
+        answer = whole[len(opening_ids):]
+        if len(answer) > 1 and not gen.tokenizer.decode(answer[:1]).strip():
+            opening_ids, answer = whole[:len(opening_ids) + 1], answer[1:]  # the lone space is forced too
+        chats.append(Chat(list(turns), Item(opening_ids, answer)))
+    return prefix, chats
+
+
 def cache_config(spec: str) -> CacheConfig:
     """`full`, `policy:budget` or `policy:budget+rN` (recall budget N)."""
     policy, _, budget = spec.partition(":")
@@ -172,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat", type=int, nargs="*", default=None,
                         help="multi-turn instead: numbers of filler turns between telling and asking")
     parser.add_argument("--keys", type=int, default=10, help="keys (or facts) per cell")
+    parser.add_argument("--facts", type=int, default=0, help="labelled keys per prompt, asked for in turn (0: one key)")
     parser.add_argument("--fact", action="store_true", help="plant a secret city instead of a 5-digit key")
     parser.add_argument("--batch", type=int, default=20, help="rows per forward pass")
     parser.add_argument("--seed", type=int, default=0)
@@ -185,7 +241,20 @@ def main(argv: list[str] | None = None) -> None:
     window = getattr(model.config, "max_position_embeddings", None)
     text = args.text.read_text()
     planted = secrets(args.keys, args.fact, args.seed)
-    if args.chat is not None:
+    if args.facts:
+        if not 1 <= args.facts <= len(DOORS):
+            parser.error(f"--facts takes 1..{len(DOORS)}")
+        filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
+        cells, deep = [], []
+        for length in args.lengths:
+            sets = [facts_prompts(gen, filler[:length], args.facts, args.seed + i) for i in range(args.keys)]
+            prefix = sets[0][0]  # the text before the first needle does not depend on the keys
+            assert all(p == prefix for p, _ in sets)
+            for k in range(args.facts):
+                label = f"{length} tok, fact {k + 1} of {args.facts}"
+                cells.append((label, prefix, [chats[k] for _, chats in sets]))
+                deep.append(label)
+    elif args.chat is not None:
         words = text.split()[FILLER_START // 2:]
         cells, deep = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat], []
     else:
@@ -211,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr, flush=True)
     what = "secret city" if args.fact else "5-digit pass key"
     mode = "multi-turn chat" if args.chat is not None else "one prompt"
+    if args.facts:
+        what, mode = f"set of {args.facts} labelled pass keys", "one prompt, asked in turn"
     rows = [[label, len(prefix) + max(chat.tokens for chat in items), *(
         "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
         for label, prefix, items in cells]
