@@ -200,7 +200,7 @@ class Archive:
         """The tokens of `blocks` ([L', H_kv, b] block indices per head of `layers`), block by block:
         per field of `fields`, [L', H_kv, b * block, D] (keys, values) or [L', H_kv, b * block]
         (scores, origins), on the host. The archive keeps them."""
-        self._wait()
+        self._digests()  # blocks are read as formed: a tail not yet sorted into blocks is sorted first
         tokens = _block_tokens(blocks.cpu(), self.block)
         return tuple(_gather(self._data[name][layers], tokens) for name in fields)
 
@@ -209,7 +209,7 @@ class Archive:
                      fields: tuple[str, ...] = _FIELDS) -> tuple[torch.Tensor, ...]:
         """The tokens of blocks[i] ([m, b] block indices) of layer layer_ids[i], head head_ids[i]: per
         field, [m, b * block, D] or [m, b * block], on the host."""
-        self._wait()
+        self._digests()
         tokens = _block_tokens(blocks.cpu(), self.block)  # [m, b * block]
         rows = (layer_ids.cpu() * self.shape[1] + head_ids.cpu())[:, None] * self._capacity
         out = []
@@ -227,6 +227,7 @@ class Archive:
         twin = Archive(*self.shape, self.head_dim, self.dtype, self.block, self.limit, self.pin)
         twin.load_state(self.state())
         twin.dropped = self.dropped
+        twin.epoch = self.epoch  # the same blocks under the same numbers: windows onto them stay valid
         return twin
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -12,8 +12,13 @@ With position rolling, keys are stored before RoPE and rotated to their slot pos
 they are read, so the query of slot n sees its keys at distances 1..n, never more than the budget.
 
 With `recall_budget`, evicted tokens move to the row's `Archive` instead of being dropped, and the
-row's first slots are a window onto it: every pass first fills each layer and KV head's window with
-the archived blocks its own queries point at (`h2o_cache.recall`).
+row's first slots are a window onto it (`h2o_cache.recall`). A prefill chunk (a pass that feeds some
+row more than one token) first fills each layer and KV head's window with the archived blocks its
+own queries point at; a decode pass (at most one token per row) keeps its queries, and every
+`recall_interval` decode passes they choose the window at the start of the row's next decode pass
+(`choose_due`), before anything of that pass is fed. The fast step (`StaticDecoder`) does the
+same, so both paths keep the same tokens, and a choice that fails fails before its pass: a retry
+never feeds a token twice.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class ModelSpec:
     device: torch.device
     dtype: torch.dtype
     rope: RopeTable
+    num_heads: int = 0  # query heads (recall keeps a decode step's queries)
+    scaling: float = 1.0  # softmax scale of q.k
 
 
 @dataclass
@@ -55,6 +62,7 @@ class _Step:
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
+    decode: bool = False  # at most one token per row: with recall, its queries are kept (`_queries`)
 
 
 class H2OCache:
@@ -75,10 +83,12 @@ class H2OCache:
                         (0 for the row's first token ever fed); moves with the slot on eviction
         _pinned:        [L, rows, H_kv, capacity] bool, the recall window's slots, never evicted
                         (with recall only; always False at slots >= the row's length)
+        _queries:       [L, rows, H_q, D] the row's last decode queries before RoPE (with recall only)
     Per row, with recall: `archives[b]`, the row's evicted tokens (None until its first eviction);
     `recalled[b]`, the size of its window (slots 0..recalled[b]-1 per layer/head), held on top of the
     budget; `windows[b]`, which archive blocks the window holds (None: unknown); `recall_count[b]`,
-    tokens (summed over layers and heads) copied into the window so far.
+    tokens (summed over layers and heads) copied into the window so far; `due[b]`, whether its
+    window is to be chosen by `_queries` before its next decode pass.
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
@@ -86,12 +96,15 @@ class H2OCache:
         self.config = config
         self.policy = get_policy(config.policy)
         self._keys = self._values = self._rotated = self._scores = self._origins = self._pinned = None
+        self._queries: torch.Tensor | None = None
         self._keeps_scratch = False  # see `reserve`
         self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`compaction.kept_vectors`)
         self.archives: list[Archive | None] = []
         self.recalled: list[int] = []
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
         self.recall_count: list[int] = []
+        self.due: list[bool] = []
+        self.decode_passes = 0  # counts to `recall_interval`
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -116,6 +129,7 @@ class H2OCache:
         self.recalled += [0] * n
         self.windows += [None] * n
         self.recall_count += [0] * n
+        self.due += [False] * n
 
     def extend(self, other: H2OCache, move: bool = False) -> None:
         """Append the rows of `other` (same model and config) after this cache's rows.
@@ -138,6 +152,7 @@ class H2OCache:
         self.recalled += other.recalled
         self.windows += [None if w is None else (w[0], w[1].clone()) for w in other.windows]
         self.recall_count += other.recall_count
+        self.due += other.due
 
     def pop(self, row: int) -> H2OCache:
         """Remove one row and return it as a cache of its own; the last row takes its place."""
@@ -148,8 +163,10 @@ class H2OCache:
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
         single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
         single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
+        single.due = [self.due[row]]
         last = self.batch_size - 1
-        per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows, self.recall_count)
+        per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows,
+                   self.recall_count, self.due)
         if row != last:
             self._copy_row(row, self, last, self.lengths[last])
             for rows in per_row:
@@ -166,6 +183,8 @@ class H2OCache:
     def _copy_row(self, dst: int, src: H2OCache, src_row: int, length: int) -> None:
         for mine, theirs in zip(self._buffers(), src._buffers()):
             mine[:, dst, :, :length] = theirs[:, src_row, :, :length]
+        if self._queries is not None:
+            self._queries[:, dst] = src._queries[:, src_row]
         if self._pinned is not None:
             self._pinned[:, dst, :, length:] = False
 
@@ -203,6 +222,10 @@ class H2OCache:
         self._origins = torch.zeros(shape[:4], device=spec.device, dtype=torch.int64)
         if self.config.recalls:
             self._pinned = torch.zeros(shape[:4], device=spec.device, dtype=torch.bool)
+            queries = torch.zeros(spec.num_layers, rows, spec.num_heads, spec.head_dim, device=spec.device, dtype=spec.dtype)
+            if self._queries is not None:
+                queries[:, :self.batch_size] = self._queries[:, :self.batch_size]
+            self._queries = queries
         keep_rows, keep_len = self.batch_size, max(self.lengths, default=0)
         if old and keep_rows and keep_len:
             for new, previous in zip(self._buffers(), old):
@@ -215,14 +238,19 @@ class H2OCache:
         """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)).
 
         Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
-        With recall, rows whose archive gained blocks first widen their window (`recall.grow`).
+        With recall, before a prefill chunk, rows whose archive gained blocks first widen their window
+        (`recall.grow`); before a decode pass, rows whose choice is due make it (`choose_due`).
         """
         if len(n_new) != self.batch_size:
             raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
         if self.config.recalls:
-            for row, n in enumerate(n_new):
-                if n:
+            fed = [row for row, n in enumerate(n_new) if n]
+            if max(n_new) > 1:
+                for row in fed:
                     recall.grow(self, row)
+                    self.due[row] = False  # the chunk chooses with its own queries
+            else:
+                self.choose_due(fed)
         chunk = max(n_new)
         device = self.spec.device
         starts = torch.tensor(self.lengths, device=device)
@@ -250,7 +278,7 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid,
+            kv_len=kv_len, mask=mask, query_valid=query_valid, decode=chunk == 1,
         )
         return positions
 
@@ -298,8 +326,12 @@ class H2OCache:
         step = self._step
         b, h_q, c, d = query.shape
         h_kv, k = keys.shape[1], keys.shape[2]
-        if any(self.recalled):
-            self._choose(layer_idx, query, scaling)
+        if self.config.recalls:
+            if step.decode:  # rows given no token keep the queries they had
+                fed = [row for row, n in enumerate(step.n_new) if n]
+                self._queries[layer_idx, fed] = self._plain(query)[fed, :, 0].to(self._queries.dtype)
+            elif any(self.recalled):
+                self._choose(layer_idx, query, scaling)
         if not self.policy.needs_scores:
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
@@ -317,13 +349,17 @@ class H2OCache:
         out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
         return out.view(b, h_q, c, d).transpose(1, 2)
 
-    def _choose(self, layer: int, query: torch.Tensor, scaling: float) -> None:
-        """Fill the recall window of `layer` in every row that has one with what this pass's real queries
-        ([B, H_q, C, D], rotated to `positions`) point at."""
+    def _plain(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H_q, C, D] rotated to this pass's positions -> before RoPE, fp32."""
         step = self._step
         cos, sin = self.spec.rope.get(step.kv_len)
-        plain = unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
-        for row, n in enumerate(step.n_new):
+        return unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
+
+    def _choose(self, layer: int, query: torch.Tensor, scaling: float) -> None:
+        """Fill the recall window of `layer` in every row that has one with what this chunk's real queries
+        ([B, H_q, C, D], rotated to `positions`) point at."""
+        plain = self._plain(query)
+        for row, n in enumerate(self._step.n_new):
             if n and self.recalled[row]:
                 recall.choose(self, row, plain[row:row + 1, :, :n], scaling, slice(layer, layer + 1))
 
@@ -331,14 +367,16 @@ class H2OCache:
     def end(self) -> None:
         """Commit the pass: count the new tokens; rows over the budget are evicted down to the target."""
         step, self._step = self._step, None
-        self.advance(step.n_new)
+        self.advance(step.n_new, decode=step.decode)
 
     @torch.no_grad()
-    def advance(self, n_new: list[int]) -> None:
+    def advance(self, n_new: list[int], decode: bool = False) -> None:
         """Count n_new[b] tokens just written into row b, then evict the rows now over the budget.
 
         Only those rows are touched, each exactly when it crosses the budget, so a row evolves the
         same whatever its batch. `end` calls this; the fast path (`StaticDecoder`) calls it directly.
+        decode: the pass was a decode step whose queries are in `_queries`; with recall, every
+        `recall_interval` of them the rows fed are due to choose their windows by them.
         """
         self.lengths = [n + m for n, m in zip(self.lengths, n_new)]
         self.seen = [n + m for n, m in zip(self.seen, n_new)]
@@ -347,6 +385,20 @@ class H2OCache:
             over = [row for row, n in enumerate(self.lengths) if n > budget + self.recalled[row]]
             if over:
                 compaction.evict(self, over)
+        if decode and self.config.recalls:
+            self.decode_passes += 1
+            if self.decode_passes % self.config.recall_interval == 0:
+                for row, n in enumerate(n_new):
+                    self.due[row] = self.due[row] or n > 0
+
+    def choose_due(self, rows: list[int] | None = None) -> None:
+        """Before a decode pass: every row of `rows` (default all) whose choice is due widens its window
+        if it can and fills it with what its last decode queries point at (`recall.refresh`). A row
+        whose choice raises stays due; the rows before it have chosen."""
+        for row in range(self.batch_size) if rows is None else rows:
+            if self.due[row]:
+                recall.refresh(self, self._queries, self.spec.scaling, [row])
+                self.due[row] = False
 
     def new_archive(self) -> Archive:
         spec, config = self.spec, self.config

@@ -123,6 +123,8 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         device=param.device,
         dtype=param.dtype,
         rope=RopeTable(lambda positions: rotary(dummy, positions), param.device),
+        num_heads=config.num_attention_heads,
+        scaling=float(getattr(layers[0].self_attn, "scaling", head_dim ** -0.5)),
     )
 
 

@@ -3,9 +3,10 @@
 With `recall_budget` R, each row of an `H2OCache` keeps its first `recalled[row]` slots (up to R per
 layer and KV head, whole blocks) as a window onto its `Archive` of evicted tokens. The window holds
 *copies* of the archive's blocks that the queries of the latest pass chose, per layer and KV head
-(Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk and every decode step on the
-transformers path choose with the queries of that very pass, before its attention; the fast decode
-step (`StaticDecoder`) chooses with the queries of its last step, every `recall_interval` steps. The
+(Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk chooses with its own queries, before
+its attention (InfLLM); a decode step attends with the window the previous step's queries chose, and
+its own queries choose the next one (every `recall_interval` steps), on the transformers path as on
+the fast step (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
 archive keeps every block, so a block that falls out of the chosen set is not lost, and a block is in
 the window at most once; the window never competes for the budget (its slots are pinned).
 
@@ -64,10 +65,10 @@ def grow(cache: H2OCache, row: int) -> bool:
 
 
 @torch.no_grad()
-def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float) -> None:
-    """Between decode steps: widen every row's window that can grow, then fill each row's window with
-    what its queries ([L, B, H_q, D] before RoPE, one token per row) point at."""
-    for row in range(cache.batch_size):
+def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int] | None = None) -> None:
+    """Between decode steps: widen the window of every row of `rows` (default all) that can grow, then
+    fill it with what the row's queries ([L, B, H_q, D] before RoPE, one token per row) point at."""
+    for row in range(cache.batch_size) if rows is None else rows:
         grow(cache, row)
         if cache.recalled[row]:
             choose(cache, row, queries[:, row, :, None], scaling)

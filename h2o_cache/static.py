@@ -15,17 +15,16 @@ for buckets of any size.
 Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
 budget, with the same ops as the transformers path, so both paths keep the same tokens.
 
-With recall, the step also leaves every row's queries before RoPE in a fixed buffer (a write, no
-read-back); every `recall_interval` steps, between steps, they choose each row's recall window
-(`recall.refresh`) for the steps that follow. The choice runs on the archive in host memory, outside
-the step and its graphs; the step's shapes and buffers never change.
+With recall, the step also leaves every row's queries before RoPE in the cache's fixed buffer (a
+write, no read-back); every `recall_interval` steps they choose each row's recall window at the start
+of the next step (`H2OCache.choose_due`, as the transformers path does). The choice runs on the
+archive in host memory, outside the step and its graphs; the step's shapes and buffers never change.
 """
 
 from __future__ import annotations
 
 import torch
 
-from h2o_cache import recall
 from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import decode_step
@@ -83,10 +82,7 @@ class StaticDecoder:
         self.cache.reserve(max_rows, config.budget + config.recall_budget + 1, scratch=True)
         self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
-        self.queries = None  # [L, max_rows, H_q, D]: the last step's queries before RoPE, with recall
-        if config.recalls:
-            self.queries = torch.zeros(self.spec.num_layers, max_rows, self.weights.num_heads, self.spec.head_dim,
-                                       device=device, dtype=self.spec.dtype)
+        self.queries = self.cache._queries  # [L, max_rows, H_q, D] with recall: each row's last queries before RoPE
         self.steps = 0
         self.native = None
         if native is not False and self.quantized_weights is not None:
@@ -107,7 +103,8 @@ class StaticDecoder:
         """Feed every row its pending token; returns fp32 logits [B, V] (a view valid until the next step).
 
         Rows that cross the budget are evicted before this returns, and with recall, every
-        `recall_interval` steps, the step's queries choose the rows' recall windows; pending tokens
+        `recall_interval` steps, the step's queries choose the rows' recall windows at the start of the
+        next one (a choice that raises does so before anything is fed); pending tokens
         are left for the caller to replace with the next sampled ones.
         """
         cache = self.cache
@@ -119,6 +116,7 @@ class StaticDecoder:
         if cache.buffers().keys.data_ptr() != self._storage:
             raise RuntimeError("the batch cache was reallocated; its graphs would read freed memory")
         bucket = next(b for b in self.buckets if b >= rows)
+        cache.choose_due()
         staging = self._staging
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last step's upload has left the staging buffer
@@ -134,10 +132,8 @@ class StaticDecoder:
             graph.replay()
         else:
             logits = self._run(bucket)
-        cache.advance([1] * rows)
+        cache.advance([1] * rows, decode=True)
         self.steps += 1
-        if self.queries is not None and self.steps % self.config.recall_interval == 0:
-            recall.refresh(cache, self.queries[:, :rows], self.weights.scaling)
         return logits[:rows]
 
     def _run(self, bucket: int) -> torch.Tensor:

@@ -74,18 +74,18 @@ class ServerSettings(BaseSettings):
         True, description="give cached keys the positions of their slots, so RoPE never sees a position "
                           "beyond the budget (--no-position-rolling keeps the original positions)")
     recall_budget: int | None = Field(
-        None, ge=0, le=1_000_000, description="tokens per layer/KV head a turn may bring back from the conversation's "
-                                              "archive of evicted tokens, chosen by the turn's last queries and held "
-                                              "on top of --kv-budget until the next turn; a multiple of "
-                                              "--recall-block; 0: evicted tokens are dropped; unset: 128 with an "
-                                              "evicting policy and position rolling, else 0")
+        None, ge=0, le=1_000_000, description="slots per layer/KV head of each conversation's recall window: copies of "
+                                              "the archived (evicted) blocks its latest queries point at, chosen by "
+                                              "every prefill chunk and every --recall-interval decode steps, held on "
+                                              "top of --kv-budget; a multiple of --recall-block; 0: evicted tokens are "
+                                              "dropped; unset: 128 with an evicting policy and position rolling, else 0")
     recall_block: int = Field(16, ge=1, le=4096, description="tokens per archived block, the unit of recall")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
     recall_probe: int = Field(
-        64, ge=1, le=65536, description="last tokens of a turn's prompt, fed on their own so that their queries "
-                                        "(the question) choose the recall window the reply starts with")
+        64, ge=1, le=65536, description="last tokens of a turn's prompt, fed as chunks of their own so that their "
+                                        "queries (the question) alone choose the recall window the reply starts with")
     recall_interval: int = Field(
         1, ge=1, le=4096, description="decode steps between two choices of each conversation's recall window by "
                                       "its latest queries (every prefill chunk chooses with its own)")

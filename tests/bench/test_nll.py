@@ -103,9 +103,9 @@ def test_recall_runs_feed_the_prompt_as_a_turn_that_recalls(tiny_model, byte_tok
     turns, _ = score_batched(gen, config, batch, batch=2)
     alone = torch.cat([score(gen, config, [item], turn=True)[0] for item in batch])
     assert torch.allclose(turns, alone, rtol=1e-4)
-    plain, _ = score(gen, config, batch)  # not a turn: nothing is recalled
+    plain, _ = score(gen, config, batch)  # not a turn: every pass still fills its window, no probe
     no_recall, _ = score(gen, CacheConfig(policy="h2o", budget=24, prefill_chunk=6), batch)
-    assert torch.allclose(plain, no_recall, rtol=1e-4) and not torch.allclose(turns, plain, rtol=1e-3)
+    assert not torch.allclose(plain, no_recall, rtol=1e-3) and not torch.allclose(turns, no_recall, rtol=1e-3)
 
 
 def test_targets_compare_recall_with_h2o_alone_at_the_same_budget_and_the_same_slots():

@@ -71,13 +71,15 @@ def test_recalled_counts_items_greedy_decoding_reproduces(gen):
     assert cache_config("h2o:64+r32").recall_budget == 32 and cache_config("h2o:64").recall_budget == 0
 
 
-def test_a_chat_through_a_recalling_cache_recalls_at_its_user_turns(gen, monkeypatch):
+def test_a_chat_through_a_recalling_cache_chooses_its_windows(gen, monkeypatch):
+    from h2o_cache import recall
+
     chats = [chat_prompt(gen, [f"w{i}" for i in range(200)], s, turns=2, words_per_turn=20) for s in secrets(2, fact=False)]
     calls = []
-    original = Generator.recall
-    monkeypatch.setattr(Generator, "recall", lambda self, cache, pieces: calls.append(1) or original(self, cache, pieces))
+    original = recall.choose
+    monkeypatch.setattr(recall, "choose", lambda cache, row, *args: calls.append(row) or original(cache, row, *args))
     hits = recalled(gen, cache_config("h2o:64+r32"), [], chats, batch=2)
-    assert 0 <= hits <= 2 and len(calls) >= 2  # the archive fills after the first turn
+    assert 0 <= hits <= 2 and set(calls) == {0, 1}  # once the archive fills, both rows' chunks choose
 
 
 def test_targets_compare_each_cache_with_full_at_the_deep_cells():

@@ -37,7 +37,12 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
 
     random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
     recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
-                       "--turn", "8", "--batch-sizes", "1", "2", "--reps", "2", "--steps", "4"])
+                       "--turn", "8", "--batch-sizes", "1", "2", "--reps", "2", "--steps", "4", "--prompt", "100",
+                       "--intervals", "1", "3", "--prefill-reps", "1"])
     out = capsys.readouterr().out
-    assert "| decode step, batch 1 |" in out and "| decode step, batch 2 |" in out and "| turn prefill (8 tok) |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| decode step") or line.startswith("| prefill")]
+    assert [row.split(" |")[0] for row in rows] == [
+        "| decode step, batch 1, on, every 1", "| decode step, batch 1, on, every 3",
+        "| decode step, batch 2, on, every 1", "| decode step, batch 2, on, every 3", "| prefill of a 100-token prompt"]
+    assert all(row.endswith(("| met |", "| MISSED |")) for row in rows)
     assert "Archive after the history: 90 tokens per layer/head" in out

@@ -1,5 +1,6 @@
-"""Recall through the engine: a turn's prefill probes and recalls exactly as `Generator.prefill(recall=True)`,
-batched rows recall independently, and a failed recall fails only its own request."""
+"""Recall through the engine: a conversation's windows are chosen exactly as `Generator.generate` chooses
+them, on the fast path and the transformers path alike, batched rows recall independently, and a failed
+choice fails only its own request."""
 
 import asyncio
 import threading
@@ -8,7 +9,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from h2o_cache import Generator
+from h2o_cache import Generator, recall
 from server.engine import GenerationFailed
 from tests.engine.conftest import ask, collect, greedy
 
@@ -23,12 +24,12 @@ def recall_engine(make_engine, **config):
 
 
 def row_state(cache) -> tuple:
-    """What a turn leaves in a 1-row cache: the tokens each head holds, the recalled count, the archive
-    length, the tokens fed and the pending one."""
+    """What a turn leaves in a 1-row cache: the tokens each head holds, the window's size, the archive
+    length, the tokens fed and the pending one, the tokens copied into the window so far."""
     n = cache.lengths[0]
     archive = cache.archives[0]
     return (cache.buffers().origins[:, 0, :, :n].tolist(), cache.recalled[0], len(archive) if archive else 0,
-            cache.seen[0], cache.pending[0])
+            cache.seen[0], cache.pending[0], cache.recall_count[0])
 
 
 @asynccontextmanager
@@ -63,8 +64,10 @@ async def test_a_session_recalls_exactly_as_generate_does_and_the_stats_count_it
 
     stats = engine.stats()
     session = engine.sessions.get("", replies[0].session_id)
-    recalled = [state[1] for state, _ in states]
-    assert stats.recalled_tokens_total == sum(recalled) and stats.recall_turns_total == sum(map(bool, recalled))
+    spec = session.cache.spec
+    counts = [0] + [state[5] for state, _ in states]
+    recalled = [(after - before) // (spec.num_layers * spec.num_kv_heads) for before, after in zip(counts, counts[1:])]
+    assert stats.recalled_tokens_total == sum(recalled) > 0 and stats.recall_turns_total == sum(map(bool, recalled))
     assert stats.archived_kv_tokens == states[-1][0][2] > 0
     assert stats.archived_kv_bytes == session.cache.archived_bytes() > 0
 
@@ -119,18 +122,20 @@ async def test_a_failed_recall_fails_only_its_own_request(make_engine, monkeypat
     engine = recall_engine(make_engine)
     good, bad = "a question is fine", "a question to FAIL"  # one length: their probes are due together
     firsts = [await collect(await engine.submit(ask(TURNS[0], greedy(20), owner=o))) for o in ("ann", "bob")]
-    recall = engine.generator.recall
+    bobs = engine.sessions.get("bob", firsts[1].session_id).cache.archives[0]
+    assert bobs is not None  # the first turn evicted: the next one chooses windows
+    choose = recall.choose
 
-    def failing_recall(cache, pieces):  # the probe is the prompt's last 24 tokens: FAIL is in the bad one
-        if any("FAIL" in engine.tokenizer.decode(piece) for piece in pieces):
+    def failing_choose(cache, row, *args):
+        if cache.archives[row] is bobs:
             raise RuntimeError("injected recall failure")
-        return recall(cache, pieces)
+        return choose(cache, row, *args)
 
     expected = recall_engine(make_engine)
     control = await collect(await expected.submit(ask(TURNS[0], greedy(20), owner="ann")))
     control = await collect(await expected.submit(ask(good, greedy(20), owner="ann", session_id=control.session_id)))
 
-    monkeypatch.setattr(engine.generator, "recall", failing_recall)
+    monkeypatch.setattr(recall, "choose", failing_choose)
     async with together(engine):
         handles = [await engine.submit(ask(text, greedy(20), owner=o, session_id=f.session_id))
                    for text, o, f in zip((good, bad), ("ann", "bob"), firsts)]

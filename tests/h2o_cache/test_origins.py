@@ -140,9 +140,10 @@ def test_kept_tokens_gives_each_head_its_own_heavy_hitters_and_scores(peaked_mod
 def test_kept_tokens_names_each_heads_recalled_tokens_and_the_archive(peaked_model):
     gen = Generator(peaked_model, ByteTokenizer())
     cache = gen.new_cache(1, recall_config())
-    gen.prefill(cache, [random_tokens(90, seed=2)])  # not a turn that recalls: a first turn of 90 would recall itself
-    before = kept_tokens(cache, 0)  # evicted and archived, nothing recalled yet
-    assert before.recalled == 0 and before.archived > 0 and not any(h.recalled for heads in before.heads for h in heads)
+    gen.prefill(cache, [random_tokens(20, seed=2)])
+    before = kept_tokens(cache, 0)  # within the budget: nothing evicted, archived or recalled
+    assert before.recalled == before.archived == 0 and not any(h.recalled for heads in before.heads for h in heads)
+    gen.prefill(cache, [random_tokens(70, seed=2)])  # evicts: its later chunks open a window
     gen.prefill(cache, [random_tokens(10, seed=3)], recall=True)
     kept = kept_tokens(cache, 0)
     assert kept.recalled == cache.recalled[0] == 16 and kept.archived == len(cache.archives[0]) > 0

@@ -1,11 +1,14 @@
-"""Recall of evicted tokens: exact contents, budgets, row independence, both decode paths."""
+"""The recall window (`h2o_cache.recall`): its slots hold exact copies of the archive blocks the latest
+queries chose, per layer and KV head; nothing fed is lost or held twice; growing keeps the row's own
+tokens; only changed heads are rewritten; both decode paths choose alike."""
 
 import random
+import shutil
 
 import pytest
 import torch
 
-from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder
+from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall
 from h2o_cache.rope import rotate
 from tests.conftest import ByteTokenizer, tiny_llama
 
@@ -34,112 +37,119 @@ def row_state(cache, row: int) -> dict[str, torch.Tensor]:
             "pinned": cache._pinned[:, row, :, :n].clone(), "rotated": buffers.rotated[:, row, :, :n].clone()}
 
 
-def by_origin(state: dict[str, torch.Tensor], layer: int, head: int) -> dict[int, tuple]:
-    origins = state["origins"][layer, head].tolist()
-    return {o: (state["keys"][layer, head, i], state["values"][layer, head, i], state["scores"][layer, head, i])
-            for i, o in enumerate(origins)}
+def rope(model, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own cos, sin [n, D] for positions 0..n-1 (not the cache's table)."""
+    x = torch.zeros(1, n, model.config.hidden_size // model.config.num_attention_heads)
+    cos, sin = model.model.rotary_emb(x, torch.arange(n)[None])
+    return cos[0], sin[0]
 
 
-def test_recalling_every_evicted_token_reproduces_the_full_cache():
-    """One layer: every key and value depends on its token alone, so once recall brings back every
-    evicted token, in order at its own position, the next pass is the full model's."""
-    model = tiny_llama(layers=1)
-    gen = Generator(model, ByteTokenizer())
-    config = recall_config(recall_budget=64, recall_block=1, recall_probe=2)
-    cache = gen.new_cache(1, config)
-    ids = random_tokens(44, seed=0)
-    gen.prefill(cache, [ids[:42]])  # history: no turn of its own to recall for
-    assert cache.lengths == [30] and len(cache.archives[0]) == 12
-    logits = gen.prefill(cache, [ids[42:]], recall=True)
-    assert cache.recalled == [12] and cache.lengths == [44]
-    assert (cache.buffers().origins[:, 0, :, :44] == torch.arange(44)).all()
-    with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+def assert_window_holds_archive_blocks(model, cache, row: int) -> None:
+    """Slots [0, r) of every layer and head are copies of the archive blocks `windows[row]` names:
+    their keys, values and origins, keys rotated to positions 0..r-1; pinned is True exactly there;
+    the row's own tokens [r, n) are rotated to their slots."""
+    r, n = cache.recalled[row], cache.lengths[row]
+    state = row_state(cache, row)
+    assert torch.equal(state["pinned"], (torch.arange(n) < r).expand_as(state["pinned"]))
+    cos, sin = rope(model, n)
+    torch.testing.assert_close(state["rotated"], rotate(state["keys"], cos, sin), rtol=1e-5, atol=1e-5)
+    if not r:
+        assert cache.windows[row] is None
+        return
+    archive = cache.archives[row]
+    epoch, blocks = cache.windows[row]
+    assert epoch == archive.epoch and blocks.shape == (*archive.shape, r // cache.config.recall_block)
+    assert (blocks[..., 1:] > blocks[..., :-1]).all() and (blocks < archive.full_blocks).all()
+    keys, values, origins = archive.gather(blocks, fields=("keys", "values", "origins"))
+    assert torch.equal(state["keys"][:, :, :r], keys)
+    assert torch.equal(state["values"][:, :, :r], values)
+    assert torch.equal(state["origins"][:, :, :r], origins)
 
 
-def test_a_long_first_turn_recalls_what_its_own_beginning_evicted():
-    """Recall is decided once the turn's head is in: a first prompt longer than the budget has an
-    archive by then, and its probe brings back every evicted token (one layer: the full model's
-    logits, as above)."""
-    model = tiny_llama(layers=1)
-    gen = Generator(model, ByteTokenizer())
-    cache = gen.new_cache(1, recall_config(recall_budget=64, recall_block=1, recall_probe=2))
-    ids = random_tokens(44, seed=0)
-    logits = gen.prefill(cache, [ids], recall=True)
-    assert cache.recalled == [12] and cache.lengths == [44] and len(cache.archives[0]) == 0
-    with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(logits[0], expected, rtol=1e-5, atol=1e-5)
+def assert_nothing_lost_or_held_twice(cache, row: int) -> None:
+    """Per layer and head: the row's own tokens and the archive hold every token fed exactly once, and
+    the window holds archived tokens, each once."""
+    r, n = cache.recalled[row], cache.lengths[row]
+    origins = cache.buffers().origins[:, row, :, :n]
+    archive = cache.archives[row]
+    archived = archive.state()["origins"] if archive is not None else torch.zeros(*origins.shape[:2], 0, dtype=torch.int64)
+    assert archive is None or archive.dropped == 0  # the tests' archives hold everything
+    for layer in range(origins.shape[0]):
+        for head in range(origins.shape[1]):
+            own, stored = origins[layer, head, r:].tolist(), archived[layer, head].tolist()
+            assert sorted(own + stored) == list(range(cache.seen[row]))
+            window = origins[layer, head, :r].tolist()
+            assert len(set(window)) == r and set(window) <= set(stored)
+
+
+def check_every_pass(gen, model, monkeypatch, rows: int = 1):
+    """Check both invariants after every pass `gen` runs; returns the list of passes checked."""
+    checked = []
+    step = gen.step
+
+    def checked_step(cache, pieces):
+        logits = step(cache, pieces)
+        for row in range(rows):
+            assert_window_holds_archive_blocks(model, cache, row)
+            assert_nothing_lost_or_held_twice(cache, row)
+        checked.append((list(cache.recalled), list(cache.recall_count)))
+        return logits
+
+    monkeypatch.setattr(gen, "step", checked_step)
+    return checked
 
 
 def test_with_a_budget_above_the_conversation_recall_changes_nothing(peaked_model):
-    prompt = random_tokens(40, seed=1)
+    prompt = random_tokens(60, seed=1)
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     full = Generator(peaked_model, ByteTokenizer(), CacheConfig(policy="full"))
     roomy = Generator(peaked_model, ByteTokenizer(), recall_config(budget=512, evict_slack=8))
+    torch.testing.assert_close(roomy.prefill(roomy.new_cache(1), [prompt], recall=True),
+                               full.prefill(full.new_cache(1), [prompt]), rtol=1e-5, atol=1e-5)
     full_cache, roomy_cache = full.new_cache(1), roomy.new_cache(1)
     for turn in range(3):
         ask = prompt[turn * 10:(turn + 1) * 10 + 5]
         [a], [b] = full.generate([ask], params, full_cache), roomy.generate([ask], params, roomy_cache)
         assert a.token_ids == b.token_ids
-    assert roomy_cache.archives == [None] and not roomy_cache.can_recall()
+    assert roomy_cache.archives == [None] and roomy_cache.recalled == [0]
+    assert roomy_cache.windows == [None] and roomy_cache.recall_count == [0]
 
 
-def test_recalled_tokens_come_back_exactly_merged_by_origin_and_rotated_to_their_slots(peaked_model):
+@pytest.mark.parametrize("slack", [4, 1, 6])
+def test_every_pass_leaves_exact_copies_of_archive_blocks_in_the_window_and_loses_nothing(peaked_model, monkeypatch, slack):
+    """A conversation of turns and decode steps on the transformers path: after every pass, the window
+    is exact copies of the archive blocks it names (keys, values, origins, rotations), pinned, and the
+    row's own tokens and the archive hold every token fed, once. slack 1 and 6: evictions archive
+    tokens that do not fill whole blocks, so blocks form from the tokens of several evictions."""
     gen = Generator(peaked_model, ByteTokenizer())
-    cache = gen.new_cache(1, recall_config())
-    gen.prefill(cache, [random_tokens(90, seed=2)])
-    before, archived = row_state(cache, 0), cache.archives[0].state()
-    n, stored = cache.lengths[0], len(cache.archives[0])
-    [recalled] = gen.recall(cache, [random_tokens(6, seed=3)])
-    assert recalled == 16 and cache.recalled == [16] and cache.lengths == [n + 16]
-    assert len(cache.archives[0]) == stored - 16
-    after = row_state(cache, 0)
-    cos, sin = peaked_model.model.rotary_emb(after["keys"], torch.arange(n + 16)[None])
-    torch.testing.assert_close(after["rotated"], rotate(after["keys"], cos[0], sin[0]), rtol=1e-5, atol=1e-5)
-    for layer in range(peaked_model.config.num_hidden_layers):
-        for head in range(peaked_model.config.num_key_value_heads):
-            origins = after["origins"][layer, head].tolist()
-            assert origins == sorted(origins)
-            old = by_origin(before, layer, head)
-            pinned = after["pinned"][layer, head].tolist()
-            assert sum(pinned) == 16
-            from_archive = {o: (archived["keys"][layer, head, i], archived["values"][layer, head, i],
-                                archived["scores"][layer, head, i])
-                            for i, o in enumerate(archived["origins"][layer, head].tolist())}
-            for (origin, (key, value, score)), is_pinned in zip(by_origin(after, layer, head).items(), pinned):
-                source = from_archive if is_pinned else old
-                assert origin in source and (origin in old) != is_pinned
-                expected = source[origin]
-                assert torch.equal(key, expected[0]) and torch.equal(value, expected[1]) and torch.equal(score, expected[2])
+    cache = gen.new_cache(1, recall_config(evict_slack=slack))
+    checked = check_every_pass(gen, peaked_model, monkeypatch)
+    gen.prefill(cache, [random_tokens(90, seed=2)], recall=True)
+    for turn in range(3):
+        gen.prefill(cache, [random_tokens(9 + 5 * turn, seed=3 + turn)], recall=True)
+        for token in random_tokens(20, seed=10 + turn):
+            gen.step(cache, [[token]])
+    recalled = [r[0] for r, _ in checked]
+    assert recalled[-1] == 16 and 0 < min(r for r in recalled if r) < 16  # it grew in steps, up to the budget
+    counts = [c[0] for _, c in checked]
+    assert counts[-1] > 2 * 16 * 2 * 2  # the window was rewritten after it opened, not only filled once
+    assert len(checked) > 60 and cache.seen[0] > 150 and len(cache.archives[0]) > 100
 
 
-def test_pinned_tokens_stay_for_the_turn_then_compete_and_what_loses_returns_to_the_archive(peaked_model):
+@pytest.mark.parametrize("slack", [1, 3])
+def test_a_window_opened_while_decoding_one_eviction_at_a_time_holds_exact_copies(peaked_model, monkeypatch, slack):
+    """Decode steps past the budget, evicting `slack` tokens at a time (fewer than a block): blocks form
+    from the tokens of several evictions, which h2o does not drop in origin order."""
     gen = Generator(peaked_model, ByteTokenizer())
-    config = recall_config()
-    cache = gen.new_cache(1, config)
-    gen.prefill(cache, [random_tokens(90, seed=4)], recall=True)
-    gen.prefill(cache, [random_tokens(10, seed=5)], recall=True)
-    pinned = cache._pinned[:, 0, :, :cache.lengths[0]]
-    recalled = cache.buffers().origins[:, 0, :, :cache.lengths[0]][pinned].view(-1, 16)
-    for token in random_tokens(50, seed=6):  # decode past the budget, several evictions
+    cache = gen.new_cache(1, recall_config(evict_slack=slack))
+    gen.prefill(cache, [random_tokens(32, seed=7)])
+    checked = check_every_pass(gen, peaked_model, monkeypatch)
+    for token in random_tokens(60, seed=8):
         gen.step(cache, [[token]])
-        assert cache.lengths[0] <= config.budget + 16
-        origins = cache.buffers().origins[:, 0, :, :cache.lengths[0]]
-        still = cache._pinned[:, 0, :, :cache.lengths[0]]
-        assert torch.equal(origins[still].view(-1, 16), recalled)
-    seen = cache.seen[0]
-    gen.prefill(cache, [random_tokens(8, seed=7)], recall=True)  # the next turn unpins them first
-    held = cache.buffers().origins[:, 0, :, :cache.lengths[0]]
-    archive = cache.archives[0].state()["origins"]
-    for layer in range(held.shape[0]):
-        for head in range(held.shape[1]):
-            everywhere = sorted(held[layer, head].tolist() + archive[layer, head].tolist())
-            assert everywhere == list(range(seen + 8 - cache.archives[0].dropped))  # nothing lost, nothing twice
+    assert cache.recalled == [16] and len(checked) == 60
 
 
-def test_rows_recall_independently_and_batched_equals_alone(peaked_model):
+def test_windows_of_several_rows_are_copies_and_rows_choose_as_they_do_alone(peaked_model, monkeypatch):
     gen = Generator(peaked_model, ByteTokenizer())
     config = recall_config()
     turns = [[random_tokens(70, seed=10), random_tokens(9, seed=11), random_tokens(25, seed=12)],
@@ -148,36 +158,286 @@ def test_rows_recall_independently_and_batched_equals_alone(peaked_model):
     alone = [gen.new_cache(1, config) for _ in turns]
     for t in range(3):
         batched = gen.prefill(together, [turns[0][t], turns[1][t]], recall=True)
+        for row in range(2):
+            assert_window_holds_archive_blocks(peaked_model, together, row)
+            assert_nothing_lost_or_held_twice(together, row)
         for row, cache in enumerate(alone):
             single = gen.prefill(cache, [turns[row][t]], recall=True)
             torch.testing.assert_close(batched[row], single[0], rtol=1e-4, atol=1e-5)
     for row, cache in enumerate(alone):
         assert together.recalled[row] == cache.recalled[0] > 0
+        assert torch.equal(together.windows[row][1], cache.windows[0][1])
+        assert together.recall_count[row] == cache.recall_count[0]
         a, b = row_state(together, row), row_state(cache, 0)
         assert torch.equal(a["origins"], b["origins"]) and torch.equal(a["pinned"], b["pinned"])
         torch.testing.assert_close(a["keys"], b["keys"], rtol=1e-4, atol=1e-5)
 
 
-def test_the_static_decoder_decodes_recalled_rows_like_the_transformers_path(peaked_model):
+@pytest.mark.parametrize("first", [28, 40])
+def test_growing_moves_the_row_s_own_tokens_unchanged_and_rotates_them_to_their_new_slots(peaked_model, first):
+    """first=28: the window opens (0 -> 8); first=40: it widens (12 -> 16). Growing happens at the
+    start of the pass after an eviction; here it is called alone, between passes."""
+    gen = Generator(peaked_model, ByteTokenizer())
     config = recall_config()
-    gen = Generator(peaked_model, ByteTokenizer(), config)
-    decoder = StaticDecoder(peaked_model, config, max_rows=2)
-    eager = gen.new_cache(0)
-    for seed in (30, 31):
+    cache = gen.new_cache(1, config)
+    gen.prefill(cache, [random_tokens(first, seed=5)])
+    gen.prefill(cache, [random_tokens(8, seed=6)])  # crosses the budget: evicts at the end of the pass
+    assert cache.recalled[0] == (0 if first == 28 else 12)
+    r, n = cache.recalled[0], cache.lengths[0]
+    want = recall.window_size(cache, 0)
+    assert want > r and want == min(16, cache.archives[0].full_blocks * 4)
+    before, count = row_state(cache, 0), cache.recall_count[0]
+    archived = cache.archives[0].state()
+    assert recall.grow(cache, 0) and not recall.grow(cache, 0)
+    after = row_state(cache, 0)
+    assert cache.recalled[0] == want and cache.lengths[0] == n + want - r
+    for name in ("keys", "values", "scores", "origins"):
+        assert torch.equal(after[name][:, :, want:], before[name][:, :, r:])
+    cos, sin = rope(peaked_model, n + want - r)
+    torch.testing.assert_close(after["rotated"], rotate(after["keys"], cos, sin), rtol=1e-5, atol=1e-5)
+    assert torch.equal(after["pinned"], (torch.arange(n + want - r) < want).expand_as(after["pinned"]))
+    # Until queries choose, the window holds the newest blocks of every head.
+    full = cache.archives[0].full_blocks
+    assert torch.equal(cache.windows[0][1], torch.arange(full - want // 4, full).expand(2, 2, want // 4))
+    assert cache.recall_count[0] == count + 2 * 2 * want
+    assert_window_holds_archive_blocks(peaked_model, cache, 0)
+    assert_nothing_lost_or_held_twice(cache, 0)
+    for name in ("keys", "origins"):  # growing reads the archive, it does not change it
+        assert torch.equal(cache.archives[0].state()[name], archived[name])
+
+
+def crafted(model, needles: torch.Tensor, where: torch.Tensor, recall_budget: int = 8):
+    """A 1-row cache of a few tokens whose archive is 10 blocks of 4 small keys, with needles[l, h] * 4
+    in block where[l, h] of layer l, head h; its window opened on the newest blocks."""
+    config = recall_config(recall_budget=recall_budget)
+    gen = Generator(model, ByteTokenizer(), config)
+    cache = gen.new_cache(1)
+    gen.prefill(cache, [random_tokens(10, seed=1)])
+    layers, heads, d = needles.shape
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(layers, heads, 40, d, generator=generator) * 0.05
+    for layer in range(layers):
+        for head in range(heads):
+            keys[layer, head, int(where[layer, head]) * 4 + 2] = needles[layer, head] * 4
+    archive = cache.new_archive()
+    archive.append(keys, torch.randn(layers, heads, 40, d, generator=generator), None,
+                   (torch.arange(40) + 100).expand(layers, heads, 40))
+    cache.archives[0] = archive
+    assert recall.grow(cache, 0) and cache.recalled == [recall_budget]
+    return cache
+
+
+def needles_of(model) -> torch.Tensor:
+    config = model.config
+    d = config.hidden_size // config.num_attention_heads
+    v = torch.randn(config.num_hidden_layers, config.num_key_value_heads, d, generator=torch.Generator().manual_seed(3))
+    return v / v.norm(dim=-1, keepdim=True) * 3
+
+
+def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_window(peaked_model):
+    """Each layer and KV head is asked (by one query head of its group; the other asks nothing) for its
+    own needle, in its own block: its window takes that block, whatever the other heads ask."""
+    needles = needles_of(peaked_model)
+    where = torch.tensor([[1, 5], [3, 0]])
+    cache = crafted(peaked_model, needles, where)
+    layers, heads, d = needles.shape
+    newest = torch.tensor([8, 9]).expand(layers, heads, 2)
+    assert torch.equal(cache.windows[0][1], newest)
+    group = peaked_model.config.num_attention_heads // heads
+    queries = torch.zeros(layers, heads, group, 1, d)
+    queries[:, :, 0, 0] = needles
+    queries = queries.view(layers, heads * group, 1, d)
+    recall.choose(cache, 0, queries[1:], 1.0, slice(1, 2))  # one layer, as a pass asks
+    assert torch.equal(cache.windows[0][1][0], newest[0])
+    assert [int(where[1, h]) in cache.windows[0][1][1, h].tolist() for h in range(heads)] == [True] * heads
+    recall.choose(cache, 0, queries, scaling=1.0)
+    blocks = cache.windows[0][1]
+    origins = cache.buffers().origins[:, 0, :, :8]
+    keys = cache.buffers().keys[:, 0, :, :8]
+    for layer in range(layers):
+        for head in range(heads):
+            assert int(where[layer, head]) in blocks[layer, head].tolist()
+            assert 100 + int(where[layer, head]) * 4 + 2 in origins[layer, head].tolist()
+            assert any(torch.equal(k, needles[layer, head] * 4) for k in keys[layer, head])
+    assert_window_holds_archive_blocks(peaked_model, cache, 0)
+
+
+def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
+    needles = needles_of(peaked_model)
+    cache = crafted(peaked_model, needles, torch.tensor([[1, 5], [3, 0]]))
+    r = cache.recalled[0]
+    keys = cache.buffers().keys
+    layers, heads = needles.shape[:2]
+
+    def poisoned_fill(chosen, layers_=slice(None)):
+        """fill(chosen) with every window slot poisoned first: the untouched ones stay poisoned."""
+        keys[:, 0, :, :r] = 1234.0
+        count = cache.recall_count[0]
+        recall.fill(cache, 0, chosen, layers_)
+        untouched = (keys[:, 0, :, :r] == 1234.0).all(dim=-1).all(dim=-1)  # [L, H]
+        return untouched, cache.recall_count[0] - count
+
+    chosen = cache.windows[0][1].clone()
+    untouched, added = poisoned_fill(chosen.clone())
+    assert untouched.all() and added == 0
+    changed = torch.zeros(layers, heads, dtype=torch.bool)
+    changed[0, 1] = changed[1, 0] = True
+    chosen[changed] = torch.tensor([0, 2])
+    untouched, added = poisoned_fill(chosen.clone())
+    assert torch.equal(untouched, ~changed) and added == int(changed.sum()) * r
+    keys[:, 0, :, :r] = 0.0
+    recall.fill(cache, 0, cache.windows[0][1].clone())  # nothing changed: nothing restored
+    assert (keys[:, 0, :, :r] == 0).all()
+    # One layer at a time: [1, H, b] for layer 1 only.
+    one = cache.windows[0][1][1:].clone()
+    one[0, 1] = torch.tensor([6, 9])
+    untouched, added = poisoned_fill(one, slice(1, 2))
+    assert untouched[0].all() and untouched[1].tolist() == [True, False] and added == r
+    # Renumbered blocks (epoch): every head is rewritten, though the indices are the same.
+    archive = cache.archives[0]
+    archive.load_state(archive.state())
+    untouched, added = poisoned_fill(cache.windows[0][1].clone())
+    assert not untouched.any() and added == layers * heads * r
+    assert_window_holds_archive_blocks(peaked_model, cache, 0)
+
+
+def recalling_rows(gen: Generator, seeds, decoders) -> None:
+    """Rows prefilled with a long first turn and a question, one token pending, into each decoder's batch."""
+    for seed in seeds:
         row = gen.new_cache(1)
         gen.prefill(row, [random_tokens(80, seed)], recall=True)
         logits = gen.prefill(row, [random_tokens(7, seed + 100)], recall=True)
         assert row.recalled == [16]
         row.pending = [[int(logits[0].argmax())]]
-        eager.extend(row)
-        decoder.cache.extend(row)
-    for _ in range(40):  # both rows cross the budget with their pinned tokens
-        expected = gen.step(eager, eager.pending)
+        for decoder in decoders:
+            decoder.cache.extend(row)
+
+
+def q_projections(model):
+    """Collects each layer's q projection output of every pass: [B, C, H_q * D] per layer."""
+    captured = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda module, args, out: captured.append(out))
+             for layer in model.model.layers]
+    return captured, hooks
+
+
+def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_same_windows(peaked_model):
+    """With recall_interval=1, each step of either path attends with the window the previous step's
+    queries chose: same logits, same windows, same tokens; the fast step's kept queries are its q
+    projections (before RoPE), as the transformers path's are."""
+    config = recall_config()
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    decoder = StaticDecoder(peaked_model, config, max_rows=2)
+    eager = gen.new_cache(0)
+    recalling_rows(gen, (30, 31), [decoder])
+    eager.extend(decoder.cache)
+    d = peaked_model.config.hidden_size // peaked_model.config.num_attention_heads
+    changes = 0
+    for _ in range(30):  # both rows cross the budget with their windows
+        before = [w[1].clone() for w in decoder.cache.windows]
+        captured, hooks = q_projections(peaked_model)
+        try:
+            expected = gen.step(eager, eager.pending)
+        finally:
+            for hook in hooks:
+                hook.remove()
         got = decoder.step()
-        assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        for cache in (eager, decoder.cache):
-            cache.pending = [[token] for token in expected.argmax(-1).tolist()]
-    assert decoder.cache.lengths == eager.lengths and decoder.cache.recalled == eager.recalled == [16, 16]
-    for row in range(2):
-        assert torch.equal(row_state(decoder.cache, row)["origins"], row_state(eager, row)["origins"])
+        queries = torch.stack([out[:, -1].view(2, -1, d) for out in captured])
+        torch.testing.assert_close(decoder.queries[:, :2], queries, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eager._queries[:, :2], queries, rtol=1e-4, atol=1e-4)
+        assert decoder.cache.due == eager.due == [True, True]
+        assert decoder.cache.recalled == eager.recalled == [16, 16] and decoder.cache.lengths == eager.lengths
+        for row in range(2):
+            assert torch.equal(decoder.cache.windows[row][1], eager.windows[row][1])
+            changes += not torch.equal(decoder.cache.windows[row][1], before[row])
+            fast, slow = row_state(decoder.cache, row), row_state(eager, row)
+            assert torch.equal(fast["origins"], slow["origins"]) and torch.equal(fast["pinned"], slow["pinned"])
+            torch.testing.assert_close(fast["keys"], slow["keys"], rtol=1e-4, atol=1e-4)
+            assert_window_holds_archive_blocks(peaked_model, decoder.cache, row)
+            assert_nothing_lost_or_held_twice(decoder.cache, row)
+        tokens = [[t] for t in expected.argmax(-1).tolist()]
+        decoder.cache.pending, eager.pending = tokens, [list(t) for t in tokens]
+    assert changes > 0  # the steps' queries did move the windows
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_the_fast_path_chooses_every_recall_interval_steps_at_the_start_of_the_next(peaked_model, monkeypatch, interval):
+    config = recall_config(recall_interval=interval)
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    decoder = StaticDecoder(peaked_model, config, max_rows=2)
+    recalling_rows(gen, (40, 41), [decoder])
+    refreshed = []
+    refresh = recall.refresh
+    monkeypatch.setattr(recall, "refresh", lambda cache, *args: refreshed.append(decoder.steps) or refresh(cache, *args))
+    for step in range(1, 13):
+        counts, windows = list(decoder.cache.recall_count), [w[1].clone() for w in decoder.cache.windows]
+        keys = decoder.cache.buffers().keys[:, :2, :, :16].clone()
+        logits = decoder.step()
+        assert decoder.cache.due == [step % interval == 0] * 2
+        if (step - 1) % interval or step == 1:  # no choice was due before this step
+            assert decoder.cache.recall_count == counts
+            assert all(torch.equal(w[1], before) for w, before in zip(decoder.cache.windows, windows))
+            assert torch.equal(decoder.cache.buffers().keys[:, :2, :, :16], keys)
+        decoder.cache.pending = [[t] for t in logits.argmax(-1).tolist()]
+    # each row's choice runs at the start of the step after every interval-th step, before it is fed
+    assert refreshed == [s for s in range(interval, 12, interval) for _ in range(2)]
+
+
+def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model, monkeypatch):
+    """A failing choice leaves the row due and the step unfed, so a retry (the runner's fallback to the
+    transformers path) feeds each token once; once it succeeds, both rows go on as if nothing failed."""
+    config = recall_config()
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    decoder = StaticDecoder(peaked_model, config, max_rows=2)
+    recalling_rows(gen, (60, 61), [decoder])
+    decoder.cache.pending = [[t] for t in decoder.step().argmax(-1).tolist()]
+    assert decoder.cache.due == [True, True]
+    lengths, seen = list(decoder.cache.lengths), list(decoder.cache.seen)
+    refresh = recall.refresh
+
+    def failing(cache, queries, scaling, rows=None):
+        if rows == [1]:
+            raise RuntimeError("injected choice failure")
+        return refresh(cache, queries, scaling, rows)
+
+    monkeypatch.setattr(recall, "refresh", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        decoder.step()
+    assert decoder.cache.due == [False, True] and decoder.cache.seen == seen and decoder.cache.lengths == lengths
+    with pytest.raises(RuntimeError, match="injected"):  # the transformers path fails before feeding too
+        gen.step(decoder.cache, decoder.cache.pending)
+    assert decoder.cache.seen == seen
+    logits = gen.step(decoder.cache, [decoder.cache.pending[0], []])  # the other row alone goes on
+    assert decoder.cache.seen == [seen[0] + 1, seen[1]] and torch.isfinite(logits[0]).all()
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler to build the kernel")
+    from tests.h2o_cache.test_quantized import gguf_llama
+
+    model = tiny_llama(init_std=0.3)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    gguf_llama(path, model)
+    model.gguf_path = path
+    return model
+
+
+def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windows(gguf_model):
+    config = recall_config()
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    native = StaticDecoder(gguf_model, config, max_rows=4)
+    ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
+    assert native.native is not None and ops.native is None
+    recalling_rows(gen, (50, 51, 52), [native, ops])  # a bucket of 4 with a padding row
+    for _ in range(20):
+        by_native, by_ops = native.step(), ops.step()
+        torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        torch.testing.assert_close(native.queries[:, :3], ops.queries[:, :3], rtol=1e-5, atol=1e-5)
+        for row in range(3):
+            assert torch.equal(native.cache.windows[row][1], ops.cache.windows[row][1])
+            assert_window_holds_archive_blocks(gguf_model, native.cache, row)
+        native.cache.pending = ops.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
+    assert native.cache.lengths == ops.cache.lengths and native.cache.recalled == [16] * 3
