@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from h2o_cache.eviction import take_vectors
+from h2o_cache.selection import bound_mass, exact_mass, top_blocks
 
 _FIELDS = ("keys", "values", "scores", "origins")
 # Candidate blocks per chosen block that the exact logits rank (second stage of `select`): the bound
@@ -171,27 +172,19 @@ class Archive:
 
         queries: [L', H_kv, Q, D] before RoPE (L' = the layers of `layers`), the Q queries that share
         each KV head (its query group times the tokens of a chunk), any device.
-        Per layer and head, as Quest does: each query's upper-bound logits over the blocks (the
-        digests) are softmaxed, as attention would be, and summed over the queries: the attention
-        mass a block may draw. The CANDIDATES x `blocks` blocks of most mass are candidates; the
-        exact logits of the queries against the candidates' keys, softmaxed over them and summed
-        over the queries, choose the `blocks` that draw the most attention.
+        Per layer and head (`h2o_cache.selection`): the CANDIDATES x `blocks` blocks whose digests'
+        bound draws the most attention mass are candidates; the exact logits of the queries against
+        the candidates' keys choose the `blocks` that draw the most.
         Returns [L', H_kv, blocks] int64 block indices, ascending; blocks <= full_blocks.
         """
         lo, hi = self._digests()
-        lo, hi = lo[layers], hi[layers]
         q = queries.float()
         device = q.device
-        lo, hi = lo.to(device), hi.to(device)
-        bound = torch.matmul(q.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(q.clamp(max=0), lo.transpose(-1, -2))
-        mass = (bound * scaling).softmax(dim=-1).sum(dim=2).cpu()  # [L', H_kv, full blocks]
-        wanted = min(CANDIDATES * blocks, mass.shape[-1])
-        candidates = mass.topk(wanted, dim=-1).indices
-        if wanted > blocks:
+        mass = bound_mass(q, lo[layers].to(device), hi[layers].to(device), scaling).cpu()  # [L', H_kv, full blocks]
+        candidates = top_blocks(mass, min(CANDIDATES * blocks, mass.shape[-1]))
+        if candidates.shape[-1] > blocks:
             keys = self.gather(candidates, layers, ("keys",))[0].to(device).float()  # [L', H_kv, wanted * block, D]
-            exact = (torch.matmul(q, keys.transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2).cpu()
-            best = exact.view(*candidates.shape, self.block).sum(dim=-1).topk(blocks, dim=-1).indices
-            candidates = candidates.gather(2, best)
+            candidates = top_blocks(exact_mass(q, keys, scaling, self.block).cpu(), blocks, candidates)
         return candidates.sort(dim=-1).values
 
     @torch.no_grad()

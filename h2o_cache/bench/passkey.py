@@ -11,6 +11,10 @@ spaced, and asks for them in turn, one per user turn, each answer fed (teacher-f
 question: cell "fact k" scores the k-th question over every key set, all of whose keys sit in the
 same pasted document.
 
+`--list N` plants N labelled keys the same way and asks for all of them in one answer, in the order of
+the document (aggregation over N places of the prompt): a set counts only when every key and separator
+of the listed answer is reproduced.
+
 `--chat N ...` asks the way the product is used instead: turn 1 tells the key, then N turns each
 paste ~350 words of the filler and ask for a one-line summary (the assistant's replies are a fixed
 short acknowledgement, teacher-forced, to keep the runs cheap), and the last turn asks for the key.
@@ -167,14 +171,7 @@ def facts_prompts(gen: Generator, filler: list[int], facts: int, seed: int) -> t
     render = lambda upto, ask: gen.tokenizer.apply_chat_template(  # noqa: E731
         messages[:upto], tokenize=False, add_generation_prompt=ask)
     head, tail = render(1, True).split(marker)
-    document, at = [], 0
-    for i, door in enumerate(doors):
-        depth = int((i + 0.5) / facts * len(filler))
-        document += filler[at:depth] + encode(f" The pass key of the {door} door is {keys[door]}. Remember it. "
-                                              f"{keys[door]} is the pass key of the {door} door. ")
-        at = depth
-    document += filler[at:]
-    first_needle = int(0.5 / facts * len(filler))
+    document, first_needle = labelled_document(gen, filler, keys)
     prefix = encode(head) + document[:first_needle]
     turns = [(document[first_needle:] + encode(tail), True)]
     chats, rendered = [], render(1, True)
@@ -190,6 +187,44 @@ def facts_prompts(gen: Generator, filler: list[int], facts: int, seed: int) -> t
             opening_ids, answer = whole[:len(opening_ids) + 1], answer[1:]  # the lone space is forced too
         chats.append(Chat(list(turns), Item(opening_ids, answer)))
     return prefix, chats
+
+
+def labelled_document(gen: Generator, filler: list[int], keys: dict[str, int]) -> tuple[list[int], int]:
+    """The filler with one needle per door at depths (i + 0.5) / len(keys), in `keys` order, and where
+    the first needle starts."""
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    document, at = [], 0
+    for i, (door, key) in enumerate(keys.items()):
+        depth = int((i + 0.5) / len(keys) * len(filler))
+        document += filler[at:depth] + encode(f" The pass key of the {door} door is {key}. Remember it. "
+                                              f"{key} is the pass key of the {door} door. ")
+        at = depth
+    return document + filler[at:], int(0.5 / len(keys) * len(filler))
+
+
+def listing_prompt(gen: Generator, filler: list[int], facts: int, seed: int) -> tuple[list[int], Chat]:
+    """Aggregation: `facts` labelled keys at depths (i + 0.5) / facts of one document, and one question
+    whose answer lists them all, in the order of the document ("The pass keys are 12345, 67890 and
+    24680."): every needle must be found for the answer to count."""
+    rng = random.Random(seed)
+    keys = {door: rng.randrange(10_000, 100_000) for door in DOORS[:facts]}
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    marker = "\x00"
+    content = (f"There are {facts} pass keys hidden in the text below, one for each of the {', '.join(keys)} "
+               f"doors. Find them and remember them.\n\n{marker}\n\nList the {facts} pass keys in the order "
+               f"they appear in the text.")
+    head, tail = gen.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True).split(marker)
+    document, first_needle = labelled_document(gen, filler, keys)
+    values = [str(k) for k in keys.values()]
+    listed = ", ".join(values[:-1]) + f" and {values[-1]}." if facts > 1 else f"{values[0]}."
+    opening = "The pass keys are" if facts > 1 else "The pass key is"
+    opening_ids, whole = encode(opening), encode(f"{opening} {listed}")
+    if whole[:len(opening_ids)] != opening_ids:
+        raise ValueError(f"{opening!r} tokenizes differently before the keys")
+    opening_ids, answer = whole[:len(opening_ids) + 1], whole[len(opening_ids) + 1:]  # the space is forced too
+    turn = document[first_needle:] + encode(tail)
+    return encode(head) + document[:first_needle], Chat([(turn, True)], Item(opening_ids, answer))
 
 
 def cache_config(spec: str) -> CacheConfig:
@@ -228,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="multi-turn instead: numbers of filler turns between telling and asking")
     parser.add_argument("--keys", type=int, default=10, help="keys (or facts) per cell")
     parser.add_argument("--facts", type=int, default=0, help="labelled keys per prompt, asked for in turn (0: one key)")
+    parser.add_argument("--list", type=int, default=0, dest="listing",
+                        help="aggregation instead: this many labelled keys in one prompt, all asked for in one answer")
     parser.add_argument("--fact", action="store_true", help="plant a secret city instead of a 5-digit key")
     parser.add_argument("--batch", type=int, default=20, help="rows per forward pass")
     parser.add_argument("--seed", type=int, default=0)
@@ -254,6 +291,15 @@ def main(argv: list[str] | None = None) -> None:
                 label = f"{length} tok, fact {k + 1} of {args.facts}"
                 cells.append((label, prefix, [chats[k] for _, chats in sets]))
                 deep.append(label)
+    elif args.listing:
+        if not 1 <= args.listing <= len(DOORS):
+            parser.error(f"--list takes 1..{len(DOORS)}")
+        filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
+        cells, deep = [], []
+        for length in args.lengths:
+            sets = [listing_prompt(gen, filler[:length], args.listing, args.seed + i) for i in range(args.keys)]
+            assert all(p == sets[0][0] for p, _ in sets)  # the text before the first needle is shared
+            cells.append((f"{length} tok, {args.listing} keys", sets[0][0], [chat for _, chat in sets]))
     elif args.chat is not None:
         words = text.split()[FILLER_START // 2:]
         cells, deep = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat], []
@@ -282,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     mode = "multi-turn chat" if args.chat is not None else "one prompt"
     if args.facts:
         what, mode = f"set of {args.facts} labelled pass keys", "one prompt, asked in turn"
+    if args.listing:
+        what, mode = f"list of {args.listing} labelled pass keys", "one prompt, all in one answer"
     rows = [[label, len(prefix) + max(chat.tokens for chat in items), *(
         "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
         for label, prefix, items in cells]

@@ -90,3 +90,19 @@ def test_targets_compare_each_cache_with_full_at_the_deep_cells():
         "- local:256 at depths >= 50%: 0.33 against full's 0.97, 63 points below (goal: within 10): MISSED",
     ]  # a cache with a cell it could not run is left out, not compared on part of the cells
     assert targets({"h2o:256": [0.5]}) == [] and targets({"full": [None], "h2o:256": [0.5]}) == []
+
+
+def test_a_listing_asks_for_every_key_in_document_order_in_one_answer(gen):
+    from h2o_cache.bench.passkey import listing_prompt
+
+    filler = [50 + i % 40 for i in range(300)]
+    prefix, chat = listing_prompt(gen, filler, 3, seed=4)
+    again, _ = listing_prompt(gen, filler, 3, seed=5)
+    assert prefix == again  # the text before the first needle does not depend on the keys
+    [(turn, is_user)] = chat.pieces
+    text = gen.tokenizer.decode(prefix + turn)
+    keys = [int(word) for word in text.replace(".", " ").split() if word.isdigit() and len(word) == 5][::2]
+    assert is_user and len(keys) == 3 and text.index("List the 3 pass keys") > text.index(str(keys[-1]))
+    answer = gen.tokenizer.decode(chat.item.context + chat.item.target)
+    assert answer == f"The pass keys are {keys[0]}, {keys[1]} and {keys[2]}."
+    assert 0 <= recalled(gen, cache_config("h2o:64+r32"), prefix, [chat], batch=1) <= 1
