@@ -87,6 +87,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if error["type"] == "json_invalid":
         return APIError(400, f"malformed JSON in the request body: {error.get('ctx', {}).get('error', '')}".strip())
     param = param_name(tuple(error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported parameter: {param} is not a field this server accepts", param=param,
+                        code="unsupported_parameter")
     if param is None:
         return APIError(400, "the request body must be a JSON object, sent with Content-Type: application/json")
     return APIError(400, f"{param}: {error['msg']}", param=param)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Callable, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from h2o_cache import Sample, SamplingParams
@@ -32,20 +32,36 @@ Content = Annotated[str, BeforeValidator(_text_of_parts)]
 Stop = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_list_of_stops), Field(max_length=4)]
 
 
-class ChatMessage(BaseModel):
+class Strict(BaseModel):
+    """A body with a field this server does not know is refused (400 `unsupported_parameter` naming
+    it), never silently ignored: a client relying on that field should hear so."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Content
+    name: str | None = None  # a participant's name: handed to the chat template, which may show it
+
+    # What the SDK echoes back of an assistant message it received; null here, so nothing to act on.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[dict] | None = None
 
     def for_engine(self) -> dict:
         # `developer` is OpenAI's newer name for the system role; chat templates know only `system`.
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        return message | ({"name": self.name} if self.name is not None else {})
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against side channels; there is none to pad here
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(Strict):
     model: str | None = None  # any name is accepted: the server serves one model
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -61,7 +77,15 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    user: str | None = None
+
+    # ----- accepted and ignored: none of them changes the reply ---------------------------------------
+    user: str | None = None  # an end-user id for abuse monitoring (OpenAI's, deprecated)
+    safety_identifier: str | None = None  # the same, its newer name
+    metadata: dict[str, str] | None = None  # tags of a stored completion; nothing is stored
+    store: bool | None = None  # whether OpenAI keeps the completion for its dashboard
+    service_tier: str | None = None  # OpenAI's billing tier
+    prompt_cache_key: str | None = None  # a caching hint; sessions find their cache by themselves
+    prediction: dict | None = None  # predicted output: a latency hint, the reply is the same without it
 
     # ----- server extras, not in the OpenAI API -------------------------------------------------------
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: no limit")

@@ -49,6 +49,20 @@ async def test_bad_requests_name_the_field(client, engine, body, param):
     assert not engine.requests
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"messages": USER, "some_future_field": 1}, "some_future_field"),
+    ({"messages": USER, "functions": []}, "functions"),
+    ({"messages": USER, "stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "sad"}]}, "messages.[0].mood"),
+    ({"messages": [{"role": "assistant", "content": "hi", "refusal": "no"}]}, "messages.[0].refusal"),
+])
+async def test_unknown_fields_are_refused_by_name(client, engine, body, param):
+    err = error_of(await client.post(URL, json=body), 400)
+    expected = "unsupported_parameter" if param != "messages.[0].refusal" else None
+    assert (err["param"], err["code"], err["type"]) == (param, expected, "invalid_request_error")
+    assert not engine.requests
+
+
 async def test_n_other_than_one_says_so(client):
     assert "only n=1" in error_of(await client.post(URL, json={"messages": USER, "n": 3}), 400)["message"]
 
