@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Callable, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from h2o_cache import Sample, SamplingParams
+from server.body import Strict
+from server.engine.tool_calls import Tools
 from server.engine.types import Usage
 from server.errors import APIError
+from server.tools import Tool, ToolCallBody, ToolChoice, tools_of
 
 
 def _text_of_parts(content):
@@ -32,17 +35,12 @@ Content = Annotated[str, BeforeValidator(_text_of_parts)]
 Stop = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_list_of_stops), Field(max_length=4)]
 
 
-class Strict(BaseModel):
-    """A body with a field this server does not know is refused (400 `unsupported_parameter` naming
-    it), never silently ignored: a client relying on that field should hear so."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls (before content: its check reads them)
+    content: Content | None = Field(None, validate_default=True)  # null only beside an assistant's tool_calls
     name: str | None = None  # a participant's name: handed to the chat template, which may show it
+    tool_call_id: str | None = Field(None, validate_default=True)  # the call a `tool` message answers
 
     # What the SDK echoes back of an assistant message it received; null here, so nothing to act on.
     refusal: None = None
@@ -50,10 +48,38 @@ class ChatMessage(Strict):
     function_call: None = None
     annotations: list[dict] | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, calls, info: ValidationInfo):
+        if calls is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("role", "only assistant messages carry tool_calls")
+        return calls
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_calls(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError("missing", "content is required (it may be null only beside tool_calls)")
+        return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id, info: ValidationInfo):
+        role = info.data.get("role")
+        if (call_id is None) == (role == "tool"):
+            raise PydanticCustomError("role", "a tool message, and only a tool message, names its tool_call_id")
+        return call_id
+
     def for_engine(self) -> dict:
         # `developer` is OpenAI's newer name for the system role; chat templates know only `system`.
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
-        return message | ({"name": self.name} if self.name is not None else {})
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class StreamOptions(Strict):
@@ -77,6 +103,9 @@ class ChatCompletionRequest(Strict):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # default: true
 
     # ----- accepted and ignored: none of them changes the reply ---------------------------------------
     user: str | None = None  # an end-user id for abuse monitoring (OpenAI's, deprecated)
@@ -105,6 +134,9 @@ class ChatCompletionRequest(Strict):
 
     def engine_messages(self) -> list[dict]:
         return [m.for_engine() for m in self.messages]
+
+    def engine_tools(self) -> Tools | None:
+        return tools_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
         """max_completion_tokens (or the older max_tokens, or the server default, capped by the limit).
@@ -184,14 +216,15 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -205,9 +238,10 @@ class ChatCompletion(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}, then {}
+    delta: dict
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

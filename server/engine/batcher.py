@@ -195,7 +195,9 @@ class Batcher:
         """
         cache = self.scheduler.leave(seq)
         self._count_resident()  # before the session counts it, so stats never count it twice
-        tail = seq.decoder.flush()
+        tail, calls, message = seq.conclude()
+        if calls and reason != "cancelled":
+            reason = "tool_calls"
         session = seq.session
         session.cache = cache
         session.consumed_text = seq.turn.prompt_text + self.generator.tokenizer.decode(
@@ -204,7 +206,7 @@ class Batcher:
         session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
         spec = cache.spec
         seq.recalled = (cache.recall_count[0] - seq.recall_base) // (spec.num_layers * spec.num_kv_heads)
-        self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
+        self.sessions.release(session, seq.turn.conversation + [message])
         durable = self.persistence.save_turn(session) if self.persistence is not None else None
         self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids),
                                     seq.recalled)
@@ -219,7 +221,7 @@ class Batcher:
             kv_resident_tokens=cache.lengths[0],
             conversation_tokens=cache.seen[0] + len(cache.pending[0]),
         )
-        self._emit(seq, Finish(reason, usage, durable))
+        self._emit(seq, Finish(reason, usage, durable, calls))
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.output_ids:

@@ -9,6 +9,7 @@ from typing import Callable
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.snapshot import cache_identity, model_fingerprint
 from server.engine.batcher import Batcher
+from server.engine.conversation import ChatTemplate
 from server.engine.handle import Channel, Handle
 from server.engine.inspection import CacheView, on_engine_thread, snapshot, spell
 from server.engine.metrics import EngineMetrics
@@ -17,14 +18,15 @@ from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.sessions import SessionStore
-from server.engine.turn import Render, check_length, plan_turn, template_renderer
+from server.engine.turn import Render, check_length, plan_turn
 from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats
 
 
 class Engine:
     """Chat generation with continuous batching and per-conversation budgeted KV caches.
 
-    render: (messages, add_generation_prompt) -> prompt text; the tokenizer's chat template by default.
+    render: (messages, add_generation_prompt) -> prompt text, a template without tool support (tools are
+        then described in the system message); the tokenizer's chat template by default.
     clock: monotonic seconds, for session expiry (injectable in tests).
     With `config.state_dir`, sessions persist there (`persistence.Persistence`).
     """
@@ -34,7 +36,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.config = config
-        self.render = render or template_renderer(tokenizer)
+        self.template = ChatTemplate.of(tokenizer) if render is None else \
+            ChatTemplate(lambda messages, add_generation_prompt, tools: render(messages, add_generation_prompt), False)
         self.generator = Generator(model, tokenizer, cache_config)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
         self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
@@ -88,9 +91,13 @@ class Engine:
             raise
         try:
             # Rendering and tokenizing a long history takes a while; keep it off the event loop.
-            turn = await asyncio.to_thread(plan_turn, session, conversation, self.render, self.tokenizer)
+            def render(messages: list[dict], add_generation_prompt: bool) -> str:
+                return self.template.render(messages, request.tools, add_generation_prompt)
+
+            turn = await asyncio.to_thread(plan_turn, session, conversation, render, self.tokenizer)
             check_length(turn, request.params, self.cache_config, self.config)
-            seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id)
+            seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id,
+                           tools=request.tools)
             self.scheduler.add(seq)  # EngineNotReady if the engine stopped meanwhile
         except BaseException:
             self.sessions.release(session)

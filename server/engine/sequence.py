@@ -8,8 +8,10 @@ from enum import Enum, auto
 from typing import Callable
 
 from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder, consume
+from server.engine.conversation import assistant_message
 from server.engine.handle import Channel
 from server.engine.session import Session
+from server.engine.tool_calls import Holdback, ToolCall, Tools, content_of, parse
 from server.engine.turn import Turn
 from server.engine.types import Delta
 
@@ -34,6 +36,9 @@ class Sequence:
     starts with, as `Generator.prefill(recall=True)` does: `tail_at` is where they start in
     `turn.prefill`. `recalled` counts the tokens per layer/KV head copied into the window during the
     turn (set when it finishes).
+
+    When the request offers tools, the reply streams up to its first `<tool_call>` and the rest is
+    held (`holdback`) until `conclude` tells calls from text.
     """
 
     session: Session
@@ -41,12 +46,14 @@ class Sequence:
     params: SamplingParams
     channel: Channel
     request_id: str = ""
+    tools: Tools | None = None
     status: Status = Status.WAITING
     cache: H2OCache | None = None
     prefilled: int = 0
     history: array = field(default_factory=lambda: array("i"))
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
+    holdback: Holdback | None = None
     output_ids: list[int] = field(default_factory=list)
     tail_at: int | None = None  # None: the cache does not recall
     recalled: int = 0
@@ -84,6 +91,7 @@ class Sequence:
         self.recall_base = self.cache.recall_count[0]
         self.sampler = Sampler(self.params)
         self.decoder = new_decoder(self.params.stop)
+        self.holdback = Holdback() if self.tools is not None and self.tools.parsed else None
 
     def append(self, sample: Sample, eos_token_ids: set[int]) -> tuple[Delta | None, str | None]:
         """Record a sampled token. Returns the delta to stream (None for an end token) and the
@@ -92,12 +100,25 @@ class Sequence:
         text, reason = consume(sample.token, self.params, self.decoder, len(self.output_ids), eos_token_ids)
         if text is None:
             return None, reason
+        if self.holdback is not None:
+            text = self.holdback.push(text)
         return Delta(text, [sample.token], [sample] if self.params.logprobs is not None else []), reason
 
     @property
     def token_ids(self) -> array:
         """Every token its cache has consumed, the pending one included: position p is token_ids[p]."""
         return self.history + array("i", self.turn.prefill[:self.prefilled]) + array("i", self.output_ids)
+
+    def conclude(self) -> tuple[str, list[ToolCall], dict]:
+        """At the finish: the text still to stream, the reply's tool calls, and the reply's message
+        for the session."""
+        tail = self.decoder.flush()
+        text = self.reply
+        if self.holdback is None:
+            return tail, [], assistant_message(text, text, [])
+        calls = parse(text, self.tools)
+        tail = self.holdback.push(tail) + self.holdback.release(calls)
+        return tail, calls, assistant_message(text, content_of(text, calls), calls)
 
     @property
     def reply(self) -> str:

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from h2o_cache import Sample, SamplingParams
+from server.engine.tool_calls import ToolCall, Tools
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,9 @@ class EngineConfig:
 
 @dataclass
 class ChatRequest:
-    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}], validated, non-empty
+    messages: list[dict]  # validated, non-empty; see `conversation` for their fields
     params: SamplingParams
+    tools: Tools | None = None  # functions the model may call
     owner: str = ""  # opaque id of the API key that sent it ("" when auth is off)
     session_id: str | None = None  # client-named session: messages are only the new ones
     request_id: str = ""
@@ -55,9 +57,10 @@ class Usage:
 
 @dataclass
 class Finish:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls"
     usage: Usage
     durable: Future | None = None  # done once the turn's transcript is committed (with a state dir)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class EngineError(Exception):

@@ -36,6 +36,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     chat = ChatRequest(
         messages=body.engine_messages(),
         params=body.sampling_params(settings.default_max_tokens, settings.max_tokens_limit),
+        tools=body.engine_tools(),
         owner=owner,
         session_id=body.session_id or request.headers.get(SESSION_HEADER) or None,
         request_id=completion.id,

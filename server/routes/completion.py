@@ -16,6 +16,7 @@ from server.errors import from_engine_error, internal_error
 from server.protocol import (
     AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, UsageInfo,
 )
+from server.tools import ToolCallBody, tool_call_deltas
 
 log = logging.getLogger("server")
 
@@ -49,7 +50,8 @@ class Completion:
 
     def frames(self, item: Delta | Finish, include_usage: bool) -> str:
         if isinstance(item, Finish):
-            finish = self.chunk([ChunkChoice(delta={}, finish_reason=item.finish_reason)])
+            calls = "".join(self.chunk([ChunkChoice(delta=delta)]) for delta in tool_call_deltas(item.tool_calls))
+            finish = calls + self.chunk([ChunkChoice(delta={}, finish_reason=item.finish_reason)])
             return finish + (self.chunk([], UsageInfo.of(item.usage)) if include_usage else "")
         if item.logprobs:
             return self.chunk([ChunkChoice(delta={"content": item.text}, logprobs=self.logprobs(item))])
@@ -71,8 +73,10 @@ class Completion:
         if finish is None:
             return None
         logprobs = ChoiceLogprobs.of(samples, self.token_text) if samples else None
-        choice = Choice(message=AssistantMessage(content="".join(text)), logprobs=logprobs,
-                        finish_reason=finish.finish_reason)
+        content = "".join(text)
+        calls = [ToolCallBody.of(call) for call in finish.tool_calls] or None
+        message = AssistantMessage(content=content.strip() or None if calls else content, tool_calls=calls)
+        choice = Choice(message=message, logprobs=logprobs, finish_reason=finish.finish_reason)
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
                               usage=UsageInfo.of(finish.usage))
 

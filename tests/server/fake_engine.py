@@ -1,6 +1,7 @@
 """A stand-in for `server.engine.Engine` with the same API: scripted replies, no model, no thread.
 
-It answers each request with the words of its last message, one `Delta` per word, and records
+It answers each request with the words of its last message, one `Delta` per word (or, when the
+request offers tools and its last message starts with "call", a call of the first tool), and records
 what it was asked, so HTTP tests neither wait on a model nor depend on the engine's internals.
 """
 
@@ -10,6 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from h2o_cache import Sample
+from server.engine.tool_calls import ToolCall
 from server.engine.types import (
     ChatRequest, Delta, EngineError, EngineStats, Finish, GenerationFailed, Histogram, SessionNotFound, Usage,
 )
@@ -76,6 +78,12 @@ class FakeEngine:
         else:
             session_id = f"s{len(self.sessions)}"
             self.sessions[session_id] = request.owner
+        if request.tools is not None and request.tools.parsed and request.messages[-1]["content"].startswith("call"):
+            call = ToolCall(f"call_{len(self.handles)}", request.tools.names[0], '{"a": 1}')
+            finish = Finish("tool_calls", Usage(3, 5, 1, 8, 8), tool_calls=[call])
+            handle = FakeHandle("s-tools", 3, 1, [Delta("", [1]), finish], self.hold)
+            self.handles.append(handle)
+            return handle
         words = request.messages[-1]["content"].split()[: request.params.max_new_tokens]
         items: list = []
         for i, word in enumerate(words):
@@ -85,7 +93,7 @@ class FakeEngine:
         if self.fail_after is not None:
             items = items[: self.fail_after] + [GenerationFailed("the model failed")]
         reason = "length" if len(words) == request.params.max_new_tokens else "stop"
-        prompt = sum(len(m["content"].split()) for m in request.messages)
+        prompt = sum(len((m["content"] or "").split()) for m in request.messages)
         items.append(Finish(reason, Usage(prompt, len(words), 1, min(prompt + len(words), 8), prompt + len(words))))
         handle = FakeHandle(session_id, prompt, 1, items, self.hold)
         self.handles.append(handle)
