@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.engine.types import (
-    EngineError, EngineNotReady, GenerationFailed, PromptTooLong, QueueFull, SessionBusy, SessionNotFound,
+    EngineError, EngineNotReady, GenerationFailed, InvalidGrammar, PromptTooLong, QueueFull, SessionBusy,
+    SessionNotFound,
 )
 
 log = logging.getLogger("server")
@@ -51,6 +52,7 @@ class APIError(Exception):
 # status, type, code, param
 ENGINE_ERRORS: dict[type[EngineError], tuple[int, str, str, str | None]] = {
     PromptTooLong: (400, "invalid_request_error", "context_length_exceeded", "messages"),
+    InvalidGrammar: (400, "invalid_request_error", "invalid_grammar", "response_format"),
     SessionNotFound: (404, "invalid_request_error", "session_not_found", "session_id"),
     SessionBusy: (409, "invalid_request_error", "session_busy", "session_id"),
     QueueFull: (429, "rate_limit_error", "queue_full", None),

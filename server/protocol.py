@@ -12,6 +12,7 @@ from server.body import Strict
 from server.engine.tool_calls import Tools
 from server.engine.types import Usage
 from server.errors import APIError
+from server.response_format import ResponseFormat, grammar_of
 from server.tools import Tool, ToolCallBody, ToolChoice, tools_of
 
 
@@ -106,6 +107,7 @@ class ChatCompletionRequest(Strict):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None  # default: true
+    response_format: ResponseFormat | None = None
 
     # ----- accepted and ignored: none of them changes the reply ---------------------------------------
     user: str | None = None  # an end-user id for abuse monitoring (OpenAI's, deprecated)
@@ -137,6 +139,9 @@ class ChatCompletionRequest(Strict):
 
     def engine_tools(self) -> Tools | None:
         return tools_of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def grammar(self, tools: Tools | None) -> str | None:
+        return grammar_of(self.response_format, tools)
 
     def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
         """max_completion_tokens (or the older max_tokens, or the server default, capped by the limit).

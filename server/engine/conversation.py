@@ -70,10 +70,10 @@ def assistant_message(text: str, content: str | None, calls: list[ToolCall]) -> 
 
 def tools_prompt(tools: Tools) -> str:
     """The tools' description for a template that has no place for them (hermes-style, as Qwen's and
-    NousResearch's templates write it)."""
+    NousResearch's templates write it). It depends on the functions alone, not on `tool_choice` or
+    `parallel_tool_calls`, so that an agent changing those keeps its session's cache."""
     listing = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in tools.functions)
-    how_many = "one or more" if tools.parallel else "at most one"
-    return (f"You may call {how_many} functions to help with the user's request. The functions are listed "
+    return (f"You may call one or more functions to help with the user's request. The functions are listed "
             f"inside <tools></tools>:\n<tools>\n{listing}\n</tools>\nTo call a function, reply with its name and "
             f"arguments as a JSON object inside {OPEN}{CLOSE} tags:\n"
             f'{OPEN}\n{{"name": <function-name>, "arguments": <arguments-json-object>}}\n{CLOSE}')

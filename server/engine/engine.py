@@ -10,6 +10,7 @@ from h2o_cache import CacheConfig, Generator
 from h2o_cache.snapshot import cache_identity, model_fingerprint
 from server.engine.batcher import Batcher
 from server.engine.conversation import ChatTemplate
+from server.engine.grammar import GrammarError, Grammars
 from server.engine.handle import Channel, Handle
 from server.engine.inspection import CacheView, on_engine_thread, snapshot, spell
 from server.engine.metrics import EngineMetrics
@@ -19,7 +20,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.sessions import SessionStore
 from server.engine.turn import Render, check_length, plan_turn
-from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats
+from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats, InvalidGrammar
 
 
 class Engine:
@@ -39,6 +40,7 @@ class Engine:
         self.template = ChatTemplate.of(tokenizer) if render is None else \
             ChatTemplate(lambda messages, add_generation_prompt, tools: render(messages, add_generation_prompt), False)
         self.generator = Generator(model, tokenizer, cache_config)
+        self.grammars = Grammars(tokenizer, model.get_output_embeddings().weight.shape[0])
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
         self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
         self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
@@ -96,8 +98,9 @@ class Engine:
 
             turn = await asyncio.to_thread(plan_turn, session, conversation, render, self.tokenizer)
             check_length(turn, request.params, self.cache_config, self.config)
+            matcher = await asyncio.to_thread(self._matcher, request.grammar) if request.grammar else None
             seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id,
-                           tools=request.tools)
+                           tools=request.tools, matcher=matcher)
             self.scheduler.add(seq)  # EngineNotReady if the engine stopped meanwhile
         except BaseException:
             self.sessions.release(session)
@@ -105,6 +108,12 @@ class Engine:
             raise
         return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
                       on_cancel=lambda: self._cancel(seq))
+
+    def _matcher(self, grammar: str):
+        try:
+            return self.grammars.matcher(grammar)
+        except GrammarError as error:
+            raise InvalidGrammar(f"the output grammar does not build for this model: {error}") from error
 
     async def inspect(self, owner: str, session_id: str, last: int) -> CacheView:
         """What the session's cache holds now, with the text of the conversation's last `last` tokens.

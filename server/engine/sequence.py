@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Callable
 
+from llguidance import LLMatcher
+
 from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder, consume
 from server.engine.conversation import assistant_message
 from server.engine.handle import Channel
@@ -47,6 +49,7 @@ class Sequence:
     channel: Channel
     request_id: str = ""
     tools: Tools | None = None
+    matcher: LLMatcher | None = None  # the output grammar's state, advanced with every sampled token
     status: Status = Status.WAITING
     cache: H2OCache | None = None
     prefilled: int = 0
@@ -98,6 +101,10 @@ class Sequence:
         finish reason once the sequence is done, by the one stop rule (`h2o_cache.consume`)."""
         self.output_ids.append(sample.token)
         text, reason = consume(sample.token, self.params, self.decoder, len(self.output_ids), eos_token_ids)
+        if self.matcher is not None and text is not None:
+            # a matcher that can take nothing more (or refuses the token) ends the reply
+            if not self.matcher.consume_token(sample.token) or self.matcher.is_stopped():
+                reason = reason or "stop"
         if text is None:
             return None, reason
         if self.holdback is not None:

@@ -34,6 +34,7 @@ class ChatRequest:
     messages: list[dict]  # validated, non-empty; see `conversation` for their fields
     params: SamplingParams
     tools: Tools | None = None  # functions the model may call
+    grammar: str | None = None  # what the reply must match (`grammar.output_grammar`); None: free text
     owner: str = ""  # opaque id of the API key that sent it ("" when auth is off)
     session_id: str | None = None  # client-named session: messages are only the new ones
     request_id: str = ""
@@ -89,6 +90,10 @@ class PromptTooLong(EngineError):
 
 class GenerationFailed(EngineError):
     pass
+
+
+class InvalidGrammar(EngineError):
+    """The request's output grammar does not build for this model's tokenizer."""
 
 
 @dataclass

@@ -33,10 +33,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         raise EngineNotReady("the model is still loading; retry when /health answers 200")
     settings = state.settings
     completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]))
+    tools = body.engine_tools()
     chat = ChatRequest(
         messages=body.engine_messages(),
         params=body.sampling_params(settings.default_max_tokens, settings.max_tokens_limit),
-        tools=body.engine_tools(),
+        tools=tools,
+        grammar=body.grammar(tools),
         owner=owner,
         session_id=body.session_id or request.headers.get(SESSION_HEADER) or None,
         request_id=completion.id,
