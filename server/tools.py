@@ -62,6 +62,8 @@ class ToolCallBody(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # a streamed call's position, which the SDK's stream helper leaves on the calls it assembles
+    index: int | None = Field(None, exclude=True)
 
     @classmethod
     def of(cls, call: ToolCall) -> ToolCallBody:
