@@ -12,8 +12,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.engine.types import (
-    EngineError, EngineNotReady, GenerationFailed, InvalidGrammar, PromptTooLong, QueueFull, SessionBusy,
-    SessionNotFound,
+    EngineError, EngineNotReady, GenerationFailed, InvalidGrammar, InvalidTokenId, PromptTooLong, QueueFull,
+    SessionBusy, SessionNotFound,
 )
 
 log = logging.getLogger("server")
@@ -53,6 +53,7 @@ class APIError(Exception):
 ENGINE_ERRORS: dict[type[EngineError], tuple[int, str, str, str | None]] = {
     PromptTooLong: (400, "invalid_request_error", "context_length_exceeded", "messages"),
     InvalidGrammar: (400, "invalid_request_error", "invalid_grammar", "response_format"),
+    InvalidTokenId: (400, "invalid_request_error", "invalid_token_id", None),
     SessionNotFound: (404, "invalid_request_error", "session_not_found", "session_id"),
     SessionBusy: (409, "invalid_request_error", "session_busy", "session_id"),
     QueueFull: (429, "rate_limit_error", "queue_full", None),
@@ -70,6 +71,7 @@ def from_engine_error(exc: EngineError) -> APIError:
     else:
         status, type_, code, param = 500, "server_error", "engine_error", None
     headers = {"Retry-After": str(math.ceil(exc.retry_after))} if isinstance(exc, QueueFull) else None
+    param = getattr(exc, "param", None) or param  # an error that knows which field it is about says so
     return APIError(status, str(exc) or type(exc).__name__, type_, code, param, headers)
 
 

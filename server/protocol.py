@@ -102,6 +102,7 @@ class ChatCompletionRequest(Strict):
     n: int | None = 1
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=1024)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
@@ -120,6 +121,11 @@ class ChatCompletionRequest(Strict):
 
     # ----- server extras, not in the OpenAI API -------------------------------------------------------
     top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: no limit")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than min_p times the likeliest")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="divide the logits of tokens the "
+                                      "conversation already holds by this (multiply when negative); 1: off")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=64,
+                                                              description="token ids that end the reply")
     session_id: str | None = Field(None, description="continue this session: messages are only the new ones")
     ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
 
@@ -129,6 +135,14 @@ class ChatCompletionRequest(Strict):
         if n not in (None, 1):
             raise PydanticCustomError("unsupported", "only n=1 is supported")
         return n
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token in bias or ():
+            if not (token.isascii() and token.isdigit()):
+                raise PydanticCustomError("token_id", "logit_bias keys are token ids, as strings of digits")
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -164,9 +178,13 @@ class ChatCompletionRequest(Strict):
             top_k=self.top_k,
             seed=self.seed,
             stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
 

@@ -20,7 +20,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
 from server.engine.sessions import SessionStore
 from server.engine.turn import Render, check_length, plan_turn
-from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats, InvalidGrammar
+from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats, InvalidGrammar, InvalidTokenId
 
 
 class Engine:
@@ -40,7 +40,8 @@ class Engine:
         self.template = ChatTemplate.of(tokenizer) if render is None else \
             ChatTemplate(lambda messages, add_generation_prompt, tools: render(messages, add_generation_prompt), False)
         self.generator = Generator(model, tokenizer, cache_config)
-        self.grammars = Grammars(tokenizer, model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.grammars = Grammars(tokenizer, self.vocab_size)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
         self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
         self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
@@ -82,6 +83,7 @@ class Engine:
         """
         if not self.ready:
             raise EngineNotReady("the engine is not running")
+        self._check_token_ids(request)
         if self.persistence is not None and not self.sessions.knows(request.owner, request.messages,
                                                                      request.session_id):
             await self._recall(request)
@@ -108,6 +110,14 @@ class Engine:
             raise
         return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
                       on_cancel=lambda: self._cancel(seq))
+
+    def _check_token_ids(self, request: ChatRequest) -> None:
+        params = request.params
+        for param, ids in [("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)]:
+            wrong = [t for t in ids if not 0 <= t < self.vocab_size]
+            if wrong:
+                raise InvalidTokenId(f"token id {wrong[0]} is not in the model's vocabulary of {self.vocab_size}",
+                                     param)
 
     def _matcher(self, grammar: str):
         try:

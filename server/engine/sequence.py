@@ -92,7 +92,9 @@ class Sequence:
         if self.cache.config.recalls:  # the tail is fed on its own, as `Generator.prefill` does
             self.tail_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
         self.recall_base = self.cache.recall_count[0]
-        self.sampler = Sampler(self.params)
+        # the repetition penalty counts every token the conversation holds as seen
+        prompt = [*self.history, *self.turn.prefill] if self.params.repetition_penalty != 1 else ()
+        self.sampler = Sampler(self.params, prompt)
         self.decoder = new_decoder(self.params.stop)
         self.holdback = Holdback() if self.tools is not None and self.tools.parsed else None
 

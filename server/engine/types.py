@@ -96,6 +96,14 @@ class InvalidGrammar(EngineError):
     """The request's output grammar does not build for this model's tokenizer."""
 
 
+class InvalidTokenId(EngineError):
+    """A token id the model's vocabulary does not have; `param` names the field that holds it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class Histogram:
     """Prometheus-style histogram of a duration in seconds.

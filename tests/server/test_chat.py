@@ -37,6 +37,15 @@ async def test_request_becomes_sampling_params_and_engine_messages(client, engin
     assert request.owner == "" and request.session_id is None and request.request_id == r.json()["id"]
 
 
+async def test_sampling_extras_reach_the_sampler_per_request(client, engine):
+    body = {**HELLO, "logit_bias": {"7": -100, "12": 5.5}, "min_p": 0.1, "repetition_penalty": 1.2,
+            "stop_token_ids": [2, 9]}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    params = engine.requests[0].params
+    assert (params.logit_bias, params.min_p, params.repetition_penalty, params.stop_token_ids) == \
+        (((7, -100.0), (12, 5.5)), 0.1, 1.2, (2, 9))
+
+
 async def test_harmless_openai_fields_are_accepted_and_change_nothing(client, engine):
     harmless = {"user": "u1", "safety_identifier": "s", "metadata": {"k": "v"}, "store": False,
                 "service_tier": "auto", "prompt_cache_key": "c", "prediction": {"type": "content", "content": "x"},

@@ -42,6 +42,12 @@ async def test_malformed_json(client):
     ({"messages": USER, "top_k": -1}, "top_k"),
     ({"messages": USER, "seed": 2**64}, "seed"),
     ({"messages": USER, "stop": [""]}, "stop.[0]"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"messages": USER, "min_p": 1.5}, "min_p"),
+    ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids.[0]"),
 ])
 async def test_bad_requests_name_the_field(client, engine, body, param):
     err = error_of(await client.post(URL, json=body), 400)

@@ -68,6 +68,18 @@ async def test_engine_refusals_are_openai_errors(client):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
 
 
+async def test_logit_bias_and_stop_token_ids_steer_the_reply_and_unknown_ids_are_refused(client, byte_tokenizer):
+    [x] = byte_tokenizer.encode("x")
+    forced = (await client.post(URL, json=ask("hello", 6, logit_bias={str(x): 100}))).json()
+    assert forced["choices"][0]["message"]["content"] == "x" * 6
+    stopped = (await client.post(URL, json=ask("hello", 6, logit_bias={str(x): 100}, stop_token_ids=[x],
+                                               ignore_eos=False))).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+    for field, value in [("logit_bias", {"128": 1}), ("stop_token_ids", [999])]:
+        r = await client.post(URL, json=ask("hello", 2, **{field: value}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
 async def test_a_disconnected_stream_frees_its_batch_slot(live_url, engine):
     async with httpx.AsyncClient(base_url=live_url, timeout=30) as client:
         async with client.stream("POST", URL, json=ask("hi", 4096, stream=True)) as r:
