@@ -38,6 +38,8 @@ def test_the_mask_leaves_only_allowed_tokens_and_unconstrained_rows_alone(exact_
     allowed = torch.isfinite(masked[1]).nonzero()[:, 0].tolist()
     assert allowed == exact_tokenizer.encode("{")  # a JSON object starts with its brace, nothing else
     assert not torch.equal(masked, logits) and torch.isfinite(logits).all()  # the input is left as it was
+    half = constrain(logits.bfloat16(), [None, matcher])  # the torch path (other dtypes, devices)
+    assert torch.equal(torch.isfinite(half), torch.isfinite(masked))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
