@@ -17,7 +17,9 @@ from h2o_cache.loading import model_name
 from server.engine import Engine
 from server.errors import install_error_handlers
 from server.metrics import CountResponses, RequestCounter
-from server.routes import chat_router, sessions_router, status_router, web_router
+from server.routes import (
+    chat_router, sessions_router, status_router, text_completion_router, tokenize_router, web_router,
+)
 from server.routes.auth import key_owners
 from server.routes.web import static_files
 from server.settings import ServerSettings
@@ -116,6 +118,8 @@ def create_app(settings: ServerSettings, engine: Engine | None = None,
     install_error_handlers(app)
     app.add_middleware(CountResponses, counter=app.state.requests)
     app.include_router(chat_router)
+    app.include_router(text_completion_router)
+    app.include_router(tokenize_router)
     app.include_router(status_router)
     app.include_router(sessions_router)
     app.include_router(web_router)

@@ -207,7 +207,8 @@ class Batcher:
         spec = cache.spec
         seq.recalled = (cache.recall_count[0] - seq.recall_base) // (spec.num_layers * spec.num_kv_heads)
         self.sessions.release(session, seq.turn.conversation + [message])
-        durable = self.persistence.save_turn(session) if self.persistence is not None else None
+        durable = self.persistence.save_turn(session) if self.persistence is not None and not session.ephemeral \
+            else None
         self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids),
                                     seq.recalled)
         if reason == "cancelled":

@@ -18,6 +18,8 @@ from server.engine.persistence import Persistence
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
+from server.engine.session import Session
+from server.engine.tool_calls import Tools
 from server.engine.sessions import SessionStore
 from server.engine.turn import Render, check_length, plan_turn
 from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats, InvalidGrammar, InvalidTokenId
@@ -78,24 +80,30 @@ class Engine:
         """Queue a request; returns its stream.
 
         Raises before anything streams: EngineNotReady, QueueFull, SessionNotFound (also for another
-        owner's session), SessionBusy (a reply for that session is still being generated) or
-        PromptTooLong.
+        owner's session), SessionBusy (a reply for that session is still being generated),
+        PromptTooLong, InvalidTokenId or InvalidGrammar. A raw `prompt` gets a session of its own
+        that nothing keeps.
         """
         if not self.ready:
             raise EngineNotReady("the engine is not running")
         self._check_token_ids(request)
-        if self.persistence is not None and not self.sessions.knows(request.owner, request.messages,
-                                                                     request.session_id):
+        if request.prompt is None and self.persistence is not None and \
+                not self.sessions.knows(request.owner, request.messages, request.session_id):
             await self._recall(request)
         self.scheduler.reserve()
         try:
-            session, conversation = self.sessions.claim(request.owner, request.messages, request.session_id)
+            if request.prompt is not None:
+                session, conversation = Session(id="", owner=request.owner, ephemeral=True), []
+            else:
+                session, conversation = self.sessions.claim(request.owner, request.messages, request.session_id)
         except BaseException:
             self.scheduler.unreserve()
             raise
         try:
             # Rendering and tokenizing a long history takes a while; keep it off the event loop.
             def render(messages: list[dict], add_generation_prompt: bool) -> str:
+                if request.prompt is not None:
+                    return request.prompt
                 return self.template.render(messages, request.tools, add_generation_prompt)
 
             turn = await asyncio.to_thread(plan_turn, session, conversation, render, self.tokenizer)
@@ -110,6 +118,24 @@ class Engine:
             raise
         return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
                       on_cancel=lambda: self._cancel(seq))
+
+    @property
+    def max_model_len(self) -> int:
+        """The most prompt tokens one request may bring: the model's window for a policy that never
+        evicts, else the prefill limit (an evicting conversation goes on beyond the window)."""
+        if not self.cache_config.evicts and self.config.context_window is not None:
+            return min(self.config.context_window, self.config.max_prompt_tokens)
+        return self.config.max_prompt_tokens
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def tokenize_chat(self, messages: list[dict], tools: Tools | None, add_generation_prompt: bool) -> list[int]:
+        """The tokens a chat request with these messages and tools would prefill on a fresh session."""
+        return self.tokenize(self.template.render(messages, tools, add_generation_prompt), add_special_tokens=False)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _check_token_ids(self, request: ChatRequest) -> None:
         params = request.params

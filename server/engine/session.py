@@ -32,6 +32,7 @@ class Session:
     turns: list[tuple[int, int]] = field(default_factory=list)  # after each turn: (conversation, resident) tokens
     last_used: float = 0.0  # time.monotonic() seconds
     busy: bool = False
+    ephemeral: bool = False  # a raw prompt's (text completions): never stored, never continued
     key: str | None = None  # its entry in the store's prefix index: conversation.conversation_keys(...)[-1]
 
     @property

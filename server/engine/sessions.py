@@ -103,8 +103,10 @@ class SessionStore:
         """Hand a session back after a turn; `messages` replaces its conversation when given.
 
         A session that still has no messages (its first request was refused or cancelled before
-        a reply) holds nothing to continue and is dropped.
+        a reply) holds nothing to continue and is dropped. An ephemeral session was never stored.
         """
+        if session.ephemeral:
+            return
         with self._lock:
             if messages is not None:
                 self._unindex(session)

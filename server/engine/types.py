@@ -31,10 +31,11 @@ class EngineConfig:
 
 @dataclass
 class ChatRequest:
-    messages: list[dict]  # validated, non-empty; see `conversation` for their fields
+    messages: list[dict]  # validated, non-empty unless `prompt` is given; see `conversation` for their fields
     params: SamplingParams
     tools: Tools | None = None  # functions the model may call
     grammar: str | None = None  # what the reply must match (`grammar.output_grammar`); None: free text
+    prompt: str | None = None  # a raw prompt instead of messages: no template, no session kept
     owner: str = ""  # opaque id of the API key that sent it ("" when auth is off)
     session_id: str | None = None  # client-named session: messages are only the new ones
     request_id: str = ""

@@ -78,13 +78,14 @@ class FakeEngine:
         else:
             session_id = f"s{len(self.sessions)}"
             self.sessions[session_id] = request.owner
-        if request.tools is not None and request.tools.parsed and request.messages[-1]["content"].startswith("call"):
+        messages = request.messages if request.prompt is None else [{"role": "user", "content": request.prompt}]
+        if request.tools is not None and request.tools.parsed and messages[-1]["content"].startswith("call"):
             call = ToolCall(f"call_{len(self.handles)}", request.tools.names[0], '{"a": 1}')
             finish = Finish("tool_calls", Usage(3, 5, 1, 8, 8), tool_calls=[call])
             handle = FakeHandle("s-tools", 3, 1, [Delta("", [1]), finish], self.hold)
             self.handles.append(handle)
             return handle
-        words = request.messages[-1]["content"].split()[: request.params.max_new_tokens]
+        words = messages[-1]["content"].split()[: request.params.max_new_tokens]
         items: list = []
         for i, word in enumerate(words):
             logprobs = [Sample(i, -0.5, [(i, -0.5), (99, -1.5)][: request.params.logprobs])] \
@@ -93,11 +94,23 @@ class FakeEngine:
         if self.fail_after is not None:
             items = items[: self.fail_after] + [GenerationFailed("the model failed")]
         reason = "length" if len(words) == request.params.max_new_tokens else "stop"
-        prompt = sum(len((m["content"] or "").split()) for m in request.messages)
+        prompt = sum(len((m["content"] or "").split()) for m in messages)
         items.append(Finish(reason, Usage(prompt, len(words), 1, min(prompt + len(words), 8), prompt + len(words))))
         handle = FakeHandle(session_id, prompt, 1, items, self.hold)
         self.handles.append(handle)
         return handle
+
+    vocab_size = 100
+    max_model_len = 2048
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def tokenize_chat(self, messages: list[dict], tools, add_generation_prompt: bool) -> list[int]:
+        return self.tokenize(" ".join(m["content"] or "" for m in messages))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
     def stats(self) -> EngineStats:
         return EngineStats(
