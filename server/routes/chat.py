@@ -28,7 +28,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if engine is None:
         raise EngineNotReady("the model is still loading; retry when /health answers 200")
     settings = state.settings
-    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]))
+    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]),
+                            settings.sse_keepalive, settings.request_timeout)
     tools = body.engine_tools()
     chat = ChatRequest(
         messages=body.engine_messages(),

@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from server.engine.types import Delta, EngineError, Finish, GenerationFailed
-from server.errors import from_engine_error, internal_error
+from server.errors import APIError, from_engine_error, internal_error
+from server.routes.pacing import KEEPALIVE, paced, timed_out
 from server.protocol import (
     AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, UsageInfo,
 )
@@ -35,11 +36,16 @@ class Completion:
 
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, token_text: Callable[[int], str]):
+    def __init__(self, model: str, token_text: Callable[[int], str], keepalive: float = 15.0,
+                 timeout: float | None = None):
+        """keepalive: seconds of a stream's silence before a keep-alive comment; timeout: seconds the
+        request may run (None: no limit)."""
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.token_text = token_text
+        self.keepalive = keepalive
+        self.timeout = timeout
         self._content_frame: tuple[str, str] | None = None
 
     def content_chunk(self, text: str) -> str:
@@ -64,10 +70,16 @@ class Completion:
             return StreamingResponse(self.stream(handle, include_usage), media_type="text/event-stream",
                                      headers=headers | STREAM_HEADERS, background=BackgroundTask(cancel))
         try:
-            reply = await self.body(handle, request)
+            async with asyncio.timeout(self.timeout):
+                reply = await self.body(handle, request)
         except EngineError as exc:  # failed midway: the error carries the response's headers too
             error = from_engine_error(exc)
             error.headers = (error.headers or {}) | headers
+            raise error from exc
+        except TimeoutError as exc:
+            handle.cancel()
+            error = timed_out(self.timeout)
+            error.headers = headers
             raise error from exc
         if reply is None:  # the client is gone; nobody reads this
             return Response(status_code=499, headers=headers)
@@ -135,8 +147,10 @@ class Completion:
             opening = self.opening()
             if opening:
                 yield opening
-            async for batch in handle.batches():
-                yield "".join(self.frames(item, include_usage) for item in batch)
+            async for batch in paced(handle.batches(), self.keepalive, self.timeout):
+                yield KEEPALIVE if batch is None else "".join(self.frames(item, include_usage) for item in batch)
+        except APIError as exc:  # the deadline passed
+            yield sse(json.dumps(exc.body()))
         except EngineError as exc:
             if not isinstance(exc, GenerationFailed):
                 log.warning("engine error in a stream: %r", exc)

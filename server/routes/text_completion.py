@@ -20,8 +20,8 @@ class TextReply(Completion):
 
     prefix = "cmpl"
 
-    def __init__(self, model: str, token_text, echo: str = ""):
-        super().__init__(model, token_text)
+    def __init__(self, model: str, token_text, keepalive: float, timeout: float | None, echo: str = ""):
+        super().__init__(model, token_text, keepalive, timeout)
         self.echo = echo
 
     def text_chunk(self, text: str, finish_reason: str | None = None, usage: UsageInfo | None = None) -> str:
@@ -58,8 +58,8 @@ async def create_completion(body: CompletionRequest, request: Request, owner: st
     if engine is None:
         raise EngineNotReady("the model is still loading; retry when /health answers 200")
     settings = state.settings
-    reply = TextReply(state.model_name, lambda token: engine.tokenizer.decode([token]),
-                      body.prompt if body.echo else "")
+    reply = TextReply(state.model_name, lambda token: engine.tokenizer.decode([token]), settings.sse_keepalive,
+                      settings.request_timeout, body.prompt if body.echo else "")
     handle = await engine.submit(ChatRequest(
         messages=[], prompt=body.prompt, owner=owner, request_id=reply.id,
         params=body.sampling_params(settings.default_max_tokens, settings.max_tokens_limit)))
