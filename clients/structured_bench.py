@@ -10,7 +10,8 @@
 2. Cost: decode tokens/s of a row under a grammar against a row without one, at batch 1 and 8
    (8 concurrent requests, all constrained or all free). The free rows generate exactly max_tokens
    (ignore_eos); a constrained row stops when its grammar does, so each row's rate is its own
-   (tokens after the first) / (time from its first to its last token).
+   (tokens after the first) / (time from its first to its last token). Free and constrained rounds
+   alternate, so that a machine whose load drifts (ours is shared) weighs on both alike.
 Talks HTTP only. Prints tables; exit status 1 when a reply that was not truncated failed to validate.
 """
 
@@ -98,24 +99,30 @@ WORDS = {"type": "object", "properties": {"words": {"type": "array", "items": {"
          "required": ["words"]}
 
 
-async def rates(client, batch: int, constrained: bool, max_tokens: int, rounds: int) -> tuple[float, float]:
-    """Mean decode tokens/s of a row and mean tokens per row, over `rounds` rounds of `batch` rows."""
-    extra = {"ignore_eos": True} | ({"response_format": response_format(WORDS)} if constrained else {})
-    turns = []
+async def rates(client, batch: int, max_tokens: int, rounds: int) -> dict[bool, tuple[float, float]]:
+    """Per kind (constrained or not): mean decode tokens/s of a row and mean tokens per row, over
+    `rounds` rounds of `batch` rows each, the two kinds' rounds alternating."""
+    turns = {False: [], True: []}
     for r in range(rounds):
-        turns += await asyncio.gather(*(
-            stream_chat(client, [{"role": "user", "content": f"List many words about {SUBJECTS[(r + i) % 10]}."}],
-                        max_tokens=max_tokens, temperature=1.0, extra=extra | {"seed": r * batch + i})
-            for i in range(batch)))
-    measured = [t for t in turns if t.completion_tokens > 2]
-    return statistics.mean(t.decode_tps for t in measured), statistics.mean(t.completion_tokens for t in measured)
+        for constrained in (False, True):
+            extra = {"ignore_eos": True} | ({"response_format": response_format(WORDS)} if constrained else {})
+            turns[constrained] += await asyncio.gather(*(
+                stream_chat(client, [{"role": "user", "content": f"List many words about {SUBJECTS[(r + i) % 10]}."}],
+                            max_tokens=max_tokens, temperature=1.0, extra=extra | {"seed": r * batch + i})
+                for i in range(batch)))
+    out = {}
+    for constrained, done in turns.items():
+        measured = [t for t in done if t.completion_tokens > 2]
+        out[constrained] = (statistics.mean(t.decode_tps for t in measured),
+                            statistics.mean(t.completion_tokens for t in measured))
+    return out
 
 
 async def run(url: str, args) -> int:
     async with make_client(url) as client:
         await wait_ready(client, timeout=600)
         rows, bad = [], 0
-        for temperature in (0.0, 1.0):
+        for temperature in (0.0, 1.0) if args.part in ("all", "validity") else ():
             c = await validity(client, temperature, args.max_tokens, args.concurrency, args.cases)
             done = c["valid"] + c["invalid"]
             rows.append([f"{temperature:g}", str(len(cases(args.cases))), str(c["valid"]), str(c["invalid"]), str(c["truncated"]),
@@ -123,14 +130,18 @@ async def run(url: str, args) -> int:
             bad += c["invalid"]
             for line in c["failures"]:
                 print(line)
-        print("json_schema replies against their schema (jsonschema.validate), default model:")
-        print(format_table(["temperature", "cases", "valid", "invalid", "truncated", "valid of not truncated"], rows))
+        if rows:
+            print("json_schema replies against their schema (jsonschema.validate):")
+            print(format_table(["temperature", "cases", "valid", "invalid", "truncated", "valid of not truncated"],
+                               rows))
         rows = []
-        for batch in (1, 8):
-            free, free_len = await rates(client, batch, False, args.cost_tokens, args.rounds)
-            held, held_len = await rates(client, batch, True, args.cost_tokens, args.rounds)
+        for batch in (1, 8) if args.part in ("all", "cost") else ():
+            measured = await rates(client, batch, args.cost_tokens, args.rounds)
+            (free, free_len), (held, held_len) = measured[False], measured[True]
             rows.append([str(batch), f"{free:.1f}", f"{free_len:.0f}", f"{held:.1f}", f"{held_len:.0f}",
                          f"{held / free:.2f}x"])
+        if not rows:
+            return 1 if bad else 0
         print(f"\ndecode tokens/s per row, temperature 1, max_tokens {args.cost_tokens}, {args.rounds} rounds:")
         print(format_table(["batch", "free tok/s", "free tokens", "constrained tok/s", "constrained tokens",
                             "constrained / free"], rows))
@@ -145,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=200, help="max_tokens of the validity requests")
     parser.add_argument("--concurrency", type=int, default=8, help="validity requests in flight at once")
     parser.add_argument("--cost-tokens", type=int, default=64, help="max_tokens of the cost requests")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of each batch size in the cost part")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each batch size in the cost part")
+    parser.add_argument("--part", choices=["all", "validity", "cost"], default="all", help="which part to run")
     parser.add_argument("--log", type=Path, default=Path("structured_bench.log"), help="the started server's log")
     args = parser.parse_args(argv)
     if args.url:

@@ -109,6 +109,8 @@ class Batcher:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         started = []
+        now = time.perf_counter()
+        self.metrics.observe("queue_time", [now - seq.arrived for seq in seqs if not seq.started])
         for seq in seqs:
             try:
                 if not seq.started:
@@ -131,7 +133,9 @@ class Batcher:
         running = list(self.scheduler.running)
         start = time.perf_counter()
         results = self.runner.decode(running)
-        self.metrics.observe_step(time.perf_counter() - start)
+        now = time.perf_counter()
+        self.metrics.observe_step(now - start)
+        self.metrics.observe("inter_token_latency", [now - seq.last_token_at for seq in running])
         done: list[tuple[Sequence, str | Exception]] = []
         for row, (seq, result) in enumerate(zip(running, results)):
             reason = self._advance(seq, result, self.scheduler.batch, row)
@@ -158,6 +162,10 @@ class Batcher:
         if isinstance(result, Exception):
             log.error("generation failed for request %s: %r", seq.request_id, result)
             return result
+        now = time.perf_counter()
+        if seq.last_token_at is None:
+            self.metrics.observe("time_to_first_token", [now - seq.arrived])
+        seq.last_token_at = now
         try:
             cache.pending[row] = [result.token]
             delta, reason = seq.append(result, self.generator.eos_token_ids)
@@ -213,6 +221,7 @@ class Batcher:
                                     seq.recalled)
         if reason == "cancelled":
             return
+        self.metrics.observe("e2e_request_latency", [time.perf_counter() - seq.arrived])
         if tail:
             self._emit(seq, Delta(tail))
         usage = Usage(

@@ -181,7 +181,7 @@ class Engine:
         busy_tokens, busy_bytes = self.batcher.resident
         idle_archived, idle_archived_bytes = self.sessions.archived()
         busy_archived, busy_archived_bytes = self.batcher.archived
-        totals, step_seconds = self.metrics.snapshot()
+        totals, step_seconds = self.metrics.snapshot()  # totals hold the request latency histograms too
         running = len(self.scheduler.running)
         return EngineStats(
             active_sessions=len(self.sessions),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -62,6 +63,8 @@ class Sequence:
     recalled: int = 0
     recall_base: int = 0  # the cache's recall_count when the turn started
     cancelled: bool = False  # set from the asyncio thread; read by the engine thread between steps
+    arrived: float = field(default_factory=time.perf_counter)  # for the latency metrics
+    last_token_at: float | None = None
 
     @property
     def prefill_done(self) -> bool:

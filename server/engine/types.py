@@ -137,8 +137,9 @@ class EngineStats:
     recall_turns_total: int  # turns that recalled at least one block
     decode_steps_total: int
     decode_step_seconds: Histogram
-    requests_by_finish: dict[str, int]  # "stop" | "length" | "cancelled" | "error" -> count
+    requests_by_finish: dict[str, int]  # "stop" | "length" | "tool_calls" | "cancelled" | "error" -> count
     state: StateStats | None = None  # None: sessions are not persisted
+    latency: dict[str, Histogram] = field(default_factory=dict)  # metrics.LATENCIES name -> histogram
 
 
 @dataclass

@@ -28,9 +28,7 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus_metrics(request: Request) -> PlainTextResponse:
-    state = request.app.state
-    stats = state.engine.stats() if state.engine is not None else None
-    return PlainTextResponse(metrics.render(state.requests, stats), media_type=metrics.CONTENT_TYPE)
+    return PlainTextResponse(metrics.render(request.app.state.metrics), media_type=metrics.CONTENT_TYPE)
 
 
 def model_card(state) -> dict:

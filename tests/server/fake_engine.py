@@ -120,6 +120,10 @@ class FakeEngine:
             prompt_tokens_total=10, generated_tokens_total=20, cached_tokens_total=3, decode_steps_total=5,
             decode_step_seconds=Histogram((0.01, 0.1), [2, 4], sum=0.25, count=5),
             requests_by_finish={"stop": 2, "length": 1},
+            latency={"time_to_first_token": Histogram((0.1, 1.0), [1, 3], sum=1.5, count=3),
+                     "inter_token_latency": Histogram((0.01,), [20], sum=0.1, count=20),
+                     "e2e_request_latency": Histogram((1.0,), [2], sum=1.0, count=3),
+                     "queue_time": Histogram((0.1,), [3], sum=0.5, count=3)},
         )
 
     def start(self) -> None:
