@@ -8,9 +8,9 @@
    temperature 0 and at 1. A reply counts as valid when it parses and `jsonschema` validates it;
    one cut by max_tokens (finish_reason "length") is counted apart, as truncated.
 2. Cost: decode tokens/s of a row under a grammar against a row without one, at batch 1 and 8
-   (8 concurrent requests, all constrained or all free). The free rows generate exactly max_tokens
-   (ignore_eos); a constrained row stops when its grammar does, so each row's rate is its own
-   (tokens after the first) / (time from its first to its last token). Free and constrained rounds
+   (8 concurrent requests, all constrained or all free). Both generate exactly max_tokens: the free
+   rows ignore EOS, the grammar asks for more words than fit; a row's rate is (tokens after the
+   first) / (time from its first to its last token). Free and constrained rounds
    alternate, so that a machine whose load drifts (ours is shared) weighs on both alike.
 Talks HTTP only. Prints tables; exit status 1 when a reply that was not truncated failed to validate.
 """
@@ -95,7 +95,9 @@ async def validity(client, temperature: float, max_tokens: int, concurrency: int
     return counts | {"failures": failures}
 
 
-WORDS = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12}}},
+# 40 words cannot fit in the cost part's max_tokens: a constrained row runs as long as a free one
+WORDS = {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                    "minItems": 40}},
          "required": ["words"]}
 
 

@@ -60,14 +60,15 @@ def test_json_object_is_an_object(sdk):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_loop_continues_its_session(sdk, stream):
     messages = [{"role": "user", "content": f"paint it ({stream})"}]
-    forced = {"type": "function", "function": {"name": "paint"}}
+    # one call: a random model allowed parallel calls may write them until max_tokens cuts one
+    forced = {"tools": [PAINT], "tool_choice": {"type": "function", "function": {"name": "paint"}},
+              "parallel_tool_calls": False, "max_tokens": 100, "seed": 2}
     if stream:
-        with sdk.chat.completions.stream(model="tiny", messages=messages, tools=[PAINT], tool_choice=forced,
-                                         max_tokens=100, stream_options={"include_usage": True}) as events:
+        with sdk.chat.completions.stream(model="tiny", messages=messages, stream_options={"include_usage": True},
+                                         **forced) as events:
             first = events.get_final_completion()
     else:
-        first = sdk.chat.completions.create(model="tiny", messages=messages, tools=[PAINT], tool_choice=forced,
-                                            max_tokens=100)
+        first = sdk.chat.completions.create(model="tiny", messages=messages, **forced)
     message = first.choices[0].message
     [call] = message.tool_calls
     assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "paint"
@@ -92,3 +93,21 @@ async def test_a_schema_that_does_not_compile_is_refused_by_name(client):
     err = error_of(await client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}), 400)
     assert err["param"] == "response_format.json_schema"
+
+
+def test_langchain_bind_tools_drives_a_call_and_the_tool_result_continues_the_session(app):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    with serving(app) as url:
+        llm = langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="x", model="tiny", max_retries=0,
+                                          max_tokens=100, temperature=1.0, seed=5)
+        forced = llm.bind_tools([PAINT], tool_choice="paint", parallel_tool_calls=False)
+        messages = [HumanMessage("paint the wall (langchain)")]
+        reply = forced.invoke(messages)
+        [call] = reply.tool_calls
+        assert call["name"] == "paint" and call["args"]["color"] in ("red", "blue")
+        messages += [reply, ToolMessage("painted", tool_call_id=call["id"])]
+        after = llm.bind_tools([PAINT]).invoke(messages, max_tokens=4, extra_body={"ignore_eos": True})
+        cached = after.response_metadata["token_usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == reply.response_metadata["token_usage"]["conversation_tokens"] > 0
