@@ -1,9 +1,10 @@
-"""Per-sequence sampling: greedy, temperature, top-k, top-p, seed, penalties and logprobs."""
+"""Per-sequence sampling: greedy, temperature, top-k, top-p, min-p, seed, penalties, logit bias and logprobs."""
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -22,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # CTRL's: a seen token's logit divided by it (multiplied when negative)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest (when sampling)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, amount added to its logit)
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's plus the top k
 
     def __post_init__(self) -> None:
@@ -33,6 +37,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 @dataclass
@@ -48,13 +56,17 @@ class Sampler:
     The random stream is a counter-based hash of (seed, draws so far), so a row draws the same
     numbers whatever batch it is sampled in, and sampling needs no device generator (none can live
     in a CUDA graph or follow a row from batch to batch).
+
+    prompt: the tokens the sequence was given, which `repetition_penalty` counts as seen (as
+    transformers and vLLM do); kept only when that penalty is on.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt: Iterable[int] = ()):
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.draws = 0
         self.counts: dict[int, int] = {}
+        self.prompt: set[int] = set(prompt) if params.repetition_penalty != 1 else set()
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits: [V] fp32 for this sequence's next token."""
@@ -82,7 +94,7 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> list[Sample]:
     logits = logits.float()
     device, vocab = logits.device, logits.shape[-1]
     params = [s.params for s in samplers]
-    logits = _penalized(logits, samplers)
+    logits = _biased(_penalized(_repetition_penalized(logits, samplers), samplers), samplers)
     tokens = logits.argmax(dim=-1)
     if any(p.temperature > 0 for p in params):
         tokens = torch.where(_column(device, [p.temperature for p in params]) > 0, _draw(logits, samplers)[:, None],
@@ -123,16 +135,52 @@ def _penalized(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), -_column(logits.device, amounts)[:, 0], accumulate=True)
 
 
+def _repetition_penalized(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """Every token a row has seen (prompt or reply) gets its logit divided by the row's penalty if
+    positive, multiplied if negative."""
+    rows, ids, amounts = [], [], []
+    for row, s in enumerate(samplers):
+        if s.params.repetition_penalty != 1:
+            seen = s.prompt.union(s.counts)
+            rows += [row] * len(seen)
+            ids += seen
+            amounts += [s.params.repetition_penalty] * len(seen)
+    if not rows:
+        return logits
+    index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
+    penalty = _column(logits.device, amounts)[:, 0]
+    values = logits[index[0], index[1]]
+    return logits.index_put((index[0], index[1]), torch.where(values > 0, values / penalty, values * penalty))
+
+
+def _biased(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    rows, ids, amounts = [], [], []
+    for row, s in enumerate(samplers):
+        for token, amount in s.params.logit_bias:
+            rows.append(row)
+            ids.append(token)
+            amounts.append(amount)
+    if not rows:
+        return logits
+    index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), _column(logits.device, amounts)[:, 0], accumulate=True)
+
+
 def _draw(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
     """Sample [B] token ids by inverse CDF with each row's own uniform; top-k then top-p as before."""
     params = [s.params for s in samplers]
     vocab = logits.shape[-1]
-    # temperature, top_p, top_k (0: all), uniform: one upload
+    # temperature, top_p, top_k (0: all), uniform, min_p: one upload
     table = torch.tensor(
-        [[p.temperature or 1.0, p.top_p, min(p.top_k or vocab, vocab), s.uniform()] for p, s in zip(params, samplers)],
+        [[p.temperature or 1.0, p.top_p, min(p.top_k or vocab, vocab), s.uniform(), p.min_p]
+         for p, s in zip(params, samplers)],
         dtype=torch.float64,
     ).to(logits.device, non_blocking=True)
     scaled = logits / table[:, :1].float()
+    if any(p.min_p > 0 for p in params):
+        # log p(token) < log(min_p) + log p(best)  <=>  scaled < log(min_p) + max(scaled)
+        floor = table[:, 4:5].float().log() + scaled.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if any(p.top_k or p.top_p < 1 for p in params):
         ranked, order = scaled.sort(dim=-1, descending=True)
         kth = ranked.gather(1, table[:, 2:3].long() - 1)

@@ -11,13 +11,17 @@ from typing import Callable
 
 import torch
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from h2o_cache import load_model
 from h2o_cache.loading import model_name
 from server.engine import Engine
 from server.errors import install_error_handlers
-from server.metrics import CountResponses, RequestCounter
-from server.routes import chat_router, sessions_router, status_router, web_router
+from server.metrics import CountResponses, RequestCounter, registry
+from server.request_id import RequestIds
+from server.routes import (
+    chat_router, sessions_router, status_router, text_completion_router, tokenize_router, web_router,
+)
 from server.routes.auth import key_owners
 from server.routes.web import static_files
 from server.settings import ServerSettings
@@ -112,10 +116,18 @@ def create_app(settings: ServerSettings, engine: Engine | None = None,
     app.state.model_name = settings.served_model_name or model_name(settings.model)
     app.state.key_owners = key_owners(settings.api_key)
     app.state.requests = RequestCounter()
+    app.state.metrics = registry(app.state.requests,
+                                 lambda: app.state.engine.stats() if app.state.engine is not None else None)
     app.state.started = int(time.time())
     install_error_handlers(app)
     app.add_middleware(CountResponses, counter=app.state.requests)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Session-ID", "X-Request-Id"])
+    app.add_middleware(RequestIds)  # outermost: even a refused CORS preflight carries its id
     app.include_router(chat_router)
+    app.include_router(text_completion_router)
+    app.include_router(tokenize_router)
     app.include_router(status_router)
     app.include_router(sessions_router)
     app.include_router(web_router)

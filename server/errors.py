@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from server.engine.types import (
-    EngineError, EngineNotReady, GenerationFailed, PromptTooLong, QueueFull, SessionBusy, SessionNotFound,
+    EngineError, EngineNotReady, GenerationFailed, InvalidGrammar, InvalidTokenId, PromptTooLong, QueueFull,
+    SessionBusy, SessionNotFound,
 )
 
 log = logging.getLogger("server")
@@ -51,6 +52,8 @@ class APIError(Exception):
 # status, type, code, param
 ENGINE_ERRORS: dict[type[EngineError], tuple[int, str, str, str | None]] = {
     PromptTooLong: (400, "invalid_request_error", "context_length_exceeded", "messages"),
+    InvalidGrammar: (400, "invalid_request_error", "invalid_grammar", "response_format"),
+    InvalidTokenId: (400, "invalid_request_error", "invalid_token_id", None),
     SessionNotFound: (404, "invalid_request_error", "session_not_found", "session_id"),
     SessionBusy: (409, "invalid_request_error", "session_busy", "session_id"),
     QueueFull: (429, "rate_limit_error", "queue_full", None),
@@ -68,6 +71,7 @@ def from_engine_error(exc: EngineError) -> APIError:
     else:
         status, type_, code, param = 500, "server_error", "engine_error", None
     headers = {"Retry-After": str(math.ceil(exc.retry_after))} if isinstance(exc, QueueFull) else None
+    param = getattr(exc, "param", None) or param  # an error that knows which field it is about says so
     return APIError(status, str(exc) or type(exc).__name__, type_, code, param, headers)
 
 
@@ -87,6 +91,9 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if error["type"] == "json_invalid":
         return APIError(400, f"malformed JSON in the request body: {error.get('ctx', {}).get('error', '')}".strip())
     param = param_name(tuple(error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return APIError(400, f"unsupported parameter: {param} is not a field this server accepts", param=param,
+                        code="unsupported_parameter")
     if param is None:
         return APIError(400, "the request body must be a JSON object, sent with Content-Type: application/json")
     return APIError(400, f"{param}: {error['msg']}", param=param)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from typing import Annotated, Callable, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from h2o_cache import Sample, SamplingParams
+from server.body import Strict
+from server.engine.tool_calls import Tools
 from server.engine.types import Usage
 from server.errors import APIError
+from server.response_format import ResponseFormat, grammar_of
+from server.sampling_fields import SamplingRequest
+from server.tools import Tool, ToolCallBody, ToolChoice, tools_of
 
 
 def _text_of_parts(content):
@@ -24,90 +29,93 @@ def _text_of_parts(content):
     return "\n".join(texts)
 
 
-def _list_of_stops(stop):
-    return [stop] if isinstance(stop, str) else [] if stop is None else stop
-
-
 Content = Annotated[str, BeforeValidator(_text_of_parts)]
-Stop = Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_list_of_stops), Field(max_length=4)]
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls (before content: its check reads them)
+    content: Content | None = Field(None, validate_default=True)  # null only beside an assistant's tool_calls
+    name: str | None = None  # a participant's name: handed to the chat template, which may show it
+    tool_call_id: str | None = Field(None, validate_default=True)  # the call a `tool` message answers
+
+    # What the SDK echoes back of an assistant message it received; null here, so nothing to act on.
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[dict] | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, calls, info: ValidationInfo):
+        if calls is not None and info.data.get("role") != "assistant":
+            raise PydanticCustomError("role", "only assistant messages carry tool_calls")
+        return calls
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_calls(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError("missing", "content is required (it may be null only beside tool_calls)")
+        return content
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, call_id, info: ValidationInfo):
+        role = info.data.get("role")
+        if (call_id is None) == (role == "tool"):
+            raise PydanticCustomError("role", "a tool message, and only a tool message, names its tool_call_id")
+        return call_id
 
     def for_engine(self) -> dict:
         # `developer` is OpenAI's newer name for the system role; chat templates know only `system`.
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(SamplingRequest):
     model: str | None = None  # any name is accepted: the server serves one model
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
-    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator accepts
-    stop: Stop = []
-    n: int | None = 1
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    user: str | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # default: true
+    response_format: ResponseFormat | None = None
+
+    # ----- accepted and ignored: none of them changes the reply ---------------------------------------
+    safety_identifier: str | None = None  # an end-user id for abuse monitoring (`user`'s newer name)
+    metadata: dict[str, str] | None = None  # tags of a stored completion; nothing is stored
+    store: bool | None = None  # whether OpenAI keeps the completion for its dashboard
+    service_tier: str | None = None  # OpenAI's billing tier
+    prompt_cache_key: str | None = None  # a caching hint; sessions find their cache by themselves
+    prediction: dict | None = None  # predicted output: a latency hint, the reply is the same without it
 
     # ----- server extras, not in the OpenAI API -------------------------------------------------------
-    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens; 0: no limit")
     session_id: str | None = Field(None, description="continue this session: messages are only the new ones")
-    ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise PydanticCustomError("unsupported", "only n=1 is supported")
-        return n
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
     def engine_messages(self) -> list[dict]:
         return [m.for_engine() for m in self.messages]
 
-    def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
-        """max_completion_tokens (or the older max_tokens, or the server default, capped by the limit).
+    def engine_tools(self) -> Tools | None:
+        return tools_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-        A request asking for more than the server's limit is refused (400 naming the field and the
-        limit), never silently capped: a client that waits for 10**12 tokens should hear so at once.
-        """
+    def grammar(self, tools: Tools | None) -> str | None:
+        return grammar_of(self.response_format, tools)
+
+    def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
+        """max_completion_tokens (or the older max_tokens, or the server default, capped by the limit)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        for field in ("max_completion_tokens", "max_tokens"):
-            asked = getattr(self, field)
-            if asked is not None and asked > max_tokens_limit:
-                raise APIError(400, f"{field} is {asked}, more than this server's limit of {max_tokens_limit} "
-                                    f"tokens per reply", param=field, code="max_tokens_exceeded")
-        asked = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return SamplingParams(
-            max_new_tokens=min(asked, max_tokens_limit),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-        )
+        return self.params(("max_completion_tokens", "max_tokens"), default_max_tokens, max_tokens_limit,
+                           (self.top_logprobs or 0) if self.logprobs else None)
 
 
 # ----- responses ----------------------------------------------------------------------------------------
@@ -160,14 +168,15 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -181,9 +190,10 @@ class ChatCompletion(BaseModel):
 
 class ChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}, then {}
+    delta: dict
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

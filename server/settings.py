@@ -44,6 +44,17 @@ class ServerSettings(BaseSettings):
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="uvicorn log level")
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="browser origins allowed to call the API (CORS), repeatable, e.g. https://app.example or *; "
+                    "none by default: no CORS headers (environment: comma-separated)")
+    request_timeout: float | None = Field(
+        None, gt=0, le=86400, description="seconds a request may run, prefill included; past it the reply is "
+                                          "cancelled and the client gets a 504 request_timeout (in a stream: an "
+                                          "error frame); unset: no limit")
+    sse_keepalive: float = Field(
+        15.0, gt=0, le=3600, description="seconds of silence in a stream (a long prefill) after which an SSE "
+                                         "comment line is sent, so proxies and clients do not time it out")
     shutdown_timeout: float = Field(
         30.0, ge=0, le=3600, description="on SIGTERM/SIGINT: seconds in-flight replies get to finish (no new "
                                          "connection is accepted meanwhile) before they are cancelled")
@@ -121,10 +132,11 @@ class ServerSettings(BaseSettings):
         4096, ge=1, le=1_000_000, description="most reply tokens a request may ask for; a larger max_tokens gets 400 "
                                         "(the default is capped to it)")
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "allowed_origins", mode="before")
     @classmethod
     def _split_keys(cls, keys):
-        """H2O_API_KEY=k1,k2 (plain text rather than JSON, so `docker run -e H2O_API_KEY=...` just works)."""
+        """H2O_API_KEY=k1,k2, H2O_ALLOWED_ORIGINS=a,b (plain text rather than JSON, so `docker run -e ...` just
+        works)."""
         return [k.strip() for k in keys.split(",") if k.strip()] if isinstance(keys, str) else keys
 
     @property

@@ -66,6 +66,17 @@ def byte_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def exact_model():
+    """The tiny Llama with a logit for every byte (vocab 259), for grammars that need `{` and `}`."""
+    return tiny_llama(vocab=259)
+
+
+@pytest.fixture(scope="session")
+def exact_tokenizer():
+    return ByteTokenizer(259)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The tiny Llama saved with a real tokenizer, for `python -m server --model DIR` in a child process."""
     from h2o_cache.bench import random_model

@@ -6,10 +6,12 @@
     async for item in handle: ...   # Delta ... then one Finish; GenerationFailed on an internal error
     engine.stop()
 
-How a request finds its conversation (`sessions.SessionStore.claim`, `turn.plan_turn`):
+How a request finds its conversation (`sessions.SessionStore.claim`, `turn.plan_turn`; what makes
+two histories the same conversation, tool calls included, is `conversation`):
 - `session_id` given: the owner's session or SessionNotFound; `messages` are only the new ones.
 - otherwise the owner's idle session whose messages are the longest strict prefix of `messages`
   (a busy one is skipped: the request starts a new session); else a new session.
+- a raw `prompt` (text completions) gets a session of its own that is never kept.
 - the session's cache is reused when the rendered conversation starts with the text it consumed;
   only the rest is prefilled. Otherwise (an edited history, a reply cut by a stop string) the whole
   conversation is prefilled afresh in the same session.

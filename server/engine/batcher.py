@@ -109,6 +109,8 @@ class Batcher:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         started = []
+        now = time.perf_counter()
+        self.metrics.observe("queue_time", [now - seq.arrived for seq in seqs if not seq.started])
         for seq in seqs:
             try:
                 if not seq.started:
@@ -131,7 +133,9 @@ class Batcher:
         running = list(self.scheduler.running)
         start = time.perf_counter()
         results = self.runner.decode(running)
-        self.metrics.observe_step(time.perf_counter() - start)
+        now = time.perf_counter()
+        self.metrics.observe_step(now - start)
+        self.metrics.observe("inter_token_latency", [now - seq.last_token_at for seq in running])
         done: list[tuple[Sequence, str | Exception]] = []
         for row, (seq, result) in enumerate(zip(running, results)):
             reason = self._advance(seq, result, self.scheduler.batch, row)
@@ -158,6 +162,10 @@ class Batcher:
         if isinstance(result, Exception):
             log.error("generation failed for request %s: %r", seq.request_id, result)
             return result
+        now = time.perf_counter()
+        if seq.last_token_at is None:
+            self.metrics.observe("time_to_first_token", [now - seq.arrived])
+        seq.last_token_at = now
         try:
             cache.pending[row] = [result.token]
             delta, reason = seq.append(result, self.generator.eos_token_ids)
@@ -195,7 +203,9 @@ class Batcher:
         """
         cache = self.scheduler.leave(seq)
         self._count_resident()  # before the session counts it, so stats never count it twice
-        tail = seq.decoder.flush()
+        tail, calls, message = seq.conclude()
+        if calls and reason != "cancelled":
+            reason = "tool_calls"
         session = seq.session
         session.cache = cache
         session.consumed_text = seq.turn.prompt_text + self.generator.tokenizer.decode(
@@ -204,12 +214,14 @@ class Batcher:
         session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
         spec = cache.spec
         seq.recalled = (cache.recall_count[0] - seq.recall_base) // (spec.num_layers * spec.num_kv_heads)
-        self.sessions.release(session, seq.turn.conversation + [{"role": "assistant", "content": seq.reply}])
-        durable = self.persistence.save_turn(session) if self.persistence is not None else None
+        self.sessions.release(session, seq.turn.conversation + [message])
+        durable = self.persistence.save_turn(session) if self.persistence is not None and not session.ephemeral \
+            else None
         self.metrics.record_request(reason, seq.turn.prompt_tokens, seq.turn.cached_tokens, len(seq.output_ids),
                                     seq.recalled)
         if reason == "cancelled":
             return
+        self.metrics.observe("e2e_request_latency", [time.perf_counter() - seq.arrived])
         if tail:
             self._emit(seq, Delta(tail))
         usage = Usage(
@@ -219,7 +231,7 @@ class Batcher:
             kv_resident_tokens=cache.lengths[0],
             conversation_tokens=cache.seen[0] + len(cache.pending[0]),
         )
-        self._emit(seq, Finish(reason, usage, durable))
+        self._emit(seq, Finish(reason, usage, durable, calls))
 
     def _cancel(self, seq: Sequence) -> None:
         if seq.output_ids:

@@ -9,6 +9,8 @@ from typing import Callable
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.snapshot import cache_identity, model_fingerprint
 from server.engine.batcher import Batcher
+from server.engine.conversation import ChatTemplate
+from server.engine.grammar import GrammarError, Grammars
 from server.engine.handle import Channel, Handle
 from server.engine.inspection import CacheView, on_engine_thread, snapshot, spell
 from server.engine.metrics import EngineMetrics
@@ -16,15 +18,18 @@ from server.engine.persistence import Persistence
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import Sequence
+from server.engine.session import Session
+from server.engine.tool_calls import Tools
 from server.engine.sessions import SessionStore
-from server.engine.turn import Render, check_length, plan_turn, template_renderer
-from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats
+from server.engine.turn import Render, check_length, plan_turn
+from server.engine.types import ChatRequest, EngineConfig, EngineNotReady, EngineStats, InvalidGrammar, InvalidTokenId
 
 
 class Engine:
     """Chat generation with continuous batching and per-conversation budgeted KV caches.
 
-    render: (messages, add_generation_prompt) -> prompt text; the tokenizer's chat template by default.
+    render: (messages, add_generation_prompt) -> prompt text, a template without tool support (tools are
+        then described in the system message); the tokenizer's chat template by default.
     clock: monotonic seconds, for session expiry (injectable in tests).
     With `config.state_dir`, sessions persist there (`persistence.Persistence`).
     """
@@ -34,8 +39,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.config = config
-        self.render = render or template_renderer(tokenizer)
+        self.template = ChatTemplate.of(tokenizer) if render is None else \
+            ChatTemplate(lambda messages, add_generation_prompt, tools: render(messages, add_generation_prompt), False)
         self.generator = Generator(model, tokenizer, cache_config)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.grammars = Grammars(tokenizer, self.vocab_size)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
         self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
         self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
@@ -72,25 +80,37 @@ class Engine:
         """Queue a request; returns its stream.
 
         Raises before anything streams: EngineNotReady, QueueFull, SessionNotFound (also for another
-        owner's session), SessionBusy (a reply for that session is still being generated) or
-        PromptTooLong.
+        owner's session), SessionBusy (a reply for that session is still being generated),
+        PromptTooLong, InvalidTokenId or InvalidGrammar. A raw `prompt` gets a session of its own
+        that nothing keeps.
         """
         if not self.ready:
             raise EngineNotReady("the engine is not running")
-        if self.persistence is not None and not self.sessions.knows(request.owner, request.messages,
-                                                                     request.session_id):
+        self._check_token_ids(request)
+        if request.prompt is None and self.persistence is not None and \
+                not self.sessions.knows(request.owner, request.messages, request.session_id):
             await self._recall(request)
         self.scheduler.reserve()
         try:
-            session, conversation = self.sessions.claim(request.owner, request.messages, request.session_id)
+            if request.prompt is not None:
+                session, conversation = Session(id="", owner=request.owner, ephemeral=True), []
+            else:
+                session, conversation = self.sessions.claim(request.owner, request.messages, request.session_id)
         except BaseException:
             self.scheduler.unreserve()
             raise
         try:
             # Rendering and tokenizing a long history takes a while; keep it off the event loop.
-            turn = await asyncio.to_thread(plan_turn, session, conversation, self.render, self.tokenizer)
+            def render(messages: list[dict], add_generation_prompt: bool) -> str:
+                if request.prompt is not None:
+                    return request.prompt
+                return self.template.render(messages, request.tools, add_generation_prompt)
+
+            turn = await asyncio.to_thread(plan_turn, session, conversation, render, self.tokenizer)
             check_length(turn, request.params, self.cache_config, self.config)
-            seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id)
+            matcher = await asyncio.to_thread(self._matcher, request.grammar) if request.grammar else None
+            seq = Sequence(session, turn, request.params, Channel(asyncio.get_running_loop()), request.request_id,
+                           tools=request.tools, matcher=matcher)
             self.scheduler.add(seq)  # EngineNotReady if the engine stopped meanwhile
         except BaseException:
             self.sessions.release(session)
@@ -98,6 +118,38 @@ class Engine:
             raise
         return Handle(session.id, turn.prompt_tokens, turn.cached_tokens, seq.channel,
                       on_cancel=lambda: self._cancel(seq))
+
+    @property
+    def max_model_len(self) -> int:
+        """The most prompt tokens one request may bring: the model's window for a policy that never
+        evicts, else the prefill limit (an evicting conversation goes on beyond the window)."""
+        if not self.cache_config.evicts and self.config.context_window is not None:
+            return min(self.config.context_window, self.config.max_prompt_tokens)
+        return self.config.max_prompt_tokens
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def tokenize_chat(self, messages: list[dict], tools: Tools | None, add_generation_prompt: bool) -> list[int]:
+        """The tokens a chat request with these messages and tools would prefill on a fresh session."""
+        return self.tokenize(self.template.render(messages, tools, add_generation_prompt), add_special_tokens=False)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _check_token_ids(self, request: ChatRequest) -> None:
+        params = request.params
+        for param, ids in [("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)]:
+            wrong = [t for t in ids if not 0 <= t < self.vocab_size]
+            if wrong:
+                raise InvalidTokenId(f"token id {wrong[0]} is not in the model's vocabulary of {self.vocab_size}",
+                                     param)
+
+    def _matcher(self, grammar: str):
+        try:
+            return self.grammars.matcher(grammar)
+        except GrammarError as error:
+            raise InvalidGrammar(f"the output grammar does not build for this model: {error}") from error
 
     async def inspect(self, owner: str, session_id: str, last: int) -> CacheView:
         """What the session's cache holds now, with the text of the conversation's last `last` tokens.
@@ -129,7 +181,7 @@ class Engine:
         busy_tokens, busy_bytes = self.batcher.resident
         idle_archived, idle_archived_bytes = self.sessions.archived()
         busy_archived, busy_archived_bytes = self.batcher.archived
-        totals, step_seconds = self.metrics.snapshot()
+        totals, step_seconds = self.metrics.snapshot()  # totals hold the request latency histograms too
         running = len(self.scheduler.running)
         return EngineStats(
             active_sessions=len(self.sessions),

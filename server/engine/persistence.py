@@ -22,7 +22,8 @@ from typing import Callable
 
 from h2o_cache import H2OCache
 from h2o_cache.snapshot import SnapshotMismatch, dump_row, load_row, read_metadata
-from server.engine.session import Session, conversation_keys
+from server.engine.conversation import conversation_keys
+from server.engine.session import Session
 from server.engine.statedb import StateDB, Transcript
 from server.engine.types import StateStats
 

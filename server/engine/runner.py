@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from h2o_cache import Generator, H2OCache, Sample, StaticDecoder, UnsupportedModelError, sample
+from server.engine.grammar import constrain
 from server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class ModelRunner:
             except Exception:
                 log.exception("fast decode step failed; retrying it on the transformers path")
             else:
-                return sample(logits, [seq.sampler for seq in running])
+                return sample(constrain(logits, [seq.matcher for seq in running]), [seq.sampler for seq in running])
         pieces = [list(p) for p in self.batch.pending]
         return self._sample(self._guarded(lambda some: self.generator.step(self.batch, some), pieces), running)
 
@@ -98,7 +99,8 @@ class ModelRunner:
         ok = [i for i, row in enumerate(logits) if not isinstance(row, Exception)]
         out = list(logits)
         if ok:
-            drawn = sample(torch.stack([logits[i] for i in ok]), [seqs[i].sampler for i in ok])
+            rows = torch.stack([logits[i] for i in ok])
+            drawn = sample(constrain(rows, [seqs[i].matcher for i in ok]), [seqs[i].sampler for i in ok])
             for i, token in zip(ok, drawn):
                 out[i] = token
         return out

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Callable
 
+from llguidance import LLMatcher
+
 from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder, consume
+from server.engine.conversation import assistant_message
 from server.engine.handle import Channel
 from server.engine.session import Session
+from server.engine.tool_calls import Holdback, ToolCall, Tools, content_of, parse
 from server.engine.turn import Turn
 from server.engine.types import Delta
 
@@ -34,6 +39,9 @@ class Sequence:
     starts with, as `Generator.prefill(recall=True)` does: `tail_at` is where they start in
     `turn.prefill`. `recalled` counts the tokens per layer/KV head copied into the window during the
     turn (set when it finishes).
+
+    When the request offers tools, the reply streams up to its first `<tool_call>` and the rest is
+    held (`holdback`) until `conclude` tells calls from text.
     """
 
     session: Session
@@ -41,17 +49,22 @@ class Sequence:
     params: SamplingParams
     channel: Channel
     request_id: str = ""
+    tools: Tools | None = None
+    matcher: LLMatcher | None = None  # the output grammar's state, advanced with every sampled token
     status: Status = Status.WAITING
     cache: H2OCache | None = None
     prefilled: int = 0
     history: array = field(default_factory=lambda: array("i"))
     sampler: Sampler | None = None
     decoder: StreamDecoder | None = None
+    holdback: Holdback | None = None
     output_ids: list[int] = field(default_factory=list)
     tail_at: int | None = None  # None: the cache does not recall
     recalled: int = 0
     recall_base: int = 0  # the cache's recall_count when the turn started
     cancelled: bool = False  # set from the asyncio thread; read by the engine thread between steps
+    arrived: float = field(default_factory=time.perf_counter)  # for the latency metrics
+    last_token_at: float | None = None
 
     @property
     def prefill_done(self) -> bool:
@@ -82,22 +95,42 @@ class Sequence:
         if self.cache.config.recalls:  # the tail is fed on its own, as `Generator.prefill` does
             self.tail_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
         self.recall_base = self.cache.recall_count[0]
-        self.sampler = Sampler(self.params)
+        # the repetition penalty counts every token the conversation holds as seen
+        prompt = [*self.history, *self.turn.prefill] if self.params.repetition_penalty != 1 else ()
+        self.sampler = Sampler(self.params, prompt)
         self.decoder = new_decoder(self.params.stop)
+        self.holdback = Holdback() if self.tools is not None and self.tools.parsed else None
 
     def append(self, sample: Sample, eos_token_ids: set[int]) -> tuple[Delta | None, str | None]:
         """Record a sampled token. Returns the delta to stream (None for an end token) and the
         finish reason once the sequence is done, by the one stop rule (`h2o_cache.consume`)."""
         self.output_ids.append(sample.token)
         text, reason = consume(sample.token, self.params, self.decoder, len(self.output_ids), eos_token_ids)
+        if self.matcher is not None and text is not None:
+            # a matcher that can take nothing more (or refuses the token) ends the reply
+            if not self.matcher.consume_token(sample.token) or self.matcher.is_stopped():
+                reason = reason or "stop"
         if text is None:
             return None, reason
+        if self.holdback is not None:
+            text = self.holdback.push(text)
         return Delta(text, [sample.token], [sample] if self.params.logprobs is not None else []), reason
 
     @property
     def token_ids(self) -> array:
         """Every token its cache has consumed, the pending one included: position p is token_ids[p]."""
         return self.history + array("i", self.turn.prefill[:self.prefilled]) + array("i", self.output_ids)
+
+    def conclude(self) -> tuple[str, list[ToolCall], dict]:
+        """At the finish: the text still to stream, the reply's tool calls, and the reply's message
+        for the session."""
+        tail = self.decoder.flush()
+        text = self.reply
+        if self.holdback is None:
+            return tail, [], assistant_message(text, text, [])
+        calls = parse(text, self.tools)
+        tail = self.holdback.push(tail) + self.holdback.release(calls)
+        return tail, calls, assistant_message(text, content_of(text, calls), calls)
 
     @property
     def reply(self) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from array import array
 from dataclasses import dataclass, field
 
@@ -34,7 +32,8 @@ class Session:
     turns: list[tuple[int, int]] = field(default_factory=list)  # after each turn: (conversation, resident) tokens
     last_used: float = 0.0  # time.monotonic() seconds
     busy: bool = False
-    key: str | None = None  # its entry in the store's prefix index: conversation_keys(owner, messages)[-1]
+    ephemeral: bool = False  # a raw prompt's (text completions): never stored, never continued
+    key: str | None = None  # its entry in the store's prefix index: conversation.conversation_keys(...)[-1]
 
     @property
     def resident_tokens(self) -> int:
@@ -62,17 +61,3 @@ class Session:
         self.consumed_text = ""
         self.token_ids = array("i")
 
-
-def conversation_keys(owner: str, messages: list[dict]) -> list[str]:
-    """Chained hashes of every prefix: keys[k] identifies (owner, messages[:k + 1]).
-
-    Only role and content are hashed: a client echoing a reply with extra fields still matches, and
-    `plan_turn` checks the rendered text before any cache is reused.
-    """
-    digest = hashlib.sha256(owner.encode())
-    keys = []
-    for message in messages:
-        part = json.dumps([message.get("role"), message.get("content")], ensure_ascii=False)
-        digest.update(part.encode())
-        keys.append(digest.copy().hexdigest())
-    return keys

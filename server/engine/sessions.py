@@ -8,7 +8,8 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from server.engine.session import Session, conversation_keys
+from server.engine.conversation import continued, conversation_keys
+from server.engine.session import Session
 from server.engine.types import SessionBusy, SessionNotFound
 
 
@@ -46,7 +47,8 @@ class SessionStore:
         when `session_id` is given, else `messages` (a re-sent history). A re-sent history continues
         the idle session of the same owner whose messages are its longest strict prefix; a busy
         match is skipped (the request starts afresh) rather than refused, because the client did
-        not ask for that session.
+        not ask for that session. A matched session's own copies of the messages they share stand in
+        for the re-sent ones (`conversation.continued`).
         """
         with self._lock:
             self._expire()
@@ -59,7 +61,7 @@ class SessionStore:
                 conversation = session.messages + messages
             else:
                 session = self._find_prefix(owner, messages) or self._create(owner)
-                conversation = list(messages)
+                conversation = continued(session.messages, messages)
             session.busy = True
             self._touch(session)
             self._expire()  # a new session may push the count over max_sessions
@@ -101,8 +103,10 @@ class SessionStore:
         """Hand a session back after a turn; `messages` replaces its conversation when given.
 
         A session that still has no messages (its first request was refused or cancelled before
-        a reply) holds nothing to continue and is dropped.
+        a reply) holds nothing to continue and is dropped. An ephemeral session was never stored.
         """
+        if session.ephemeral:
+            return
         with self._lock:
             if messages is not None:
                 self._unindex(session)

@@ -12,15 +12,6 @@ from server.engine.types import EngineConfig, PromptTooLong
 Render = Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> prompt text
 
 
-def template_renderer(tokenizer) -> Render:
-    """The tokenizer's own chat template, rendered as text (tokenized separately, see `plan_turn`)."""
-
-    def render(messages: list[dict], add_generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-
-    return render
-
-
 @dataclass
 class Turn:
     """What one request feeds to its session's cache.

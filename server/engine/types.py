@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from h2o_cache import Sample, SamplingParams
+from server.engine.tool_calls import ToolCall, Tools
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,11 @@ class EngineConfig:
 
 @dataclass
 class ChatRequest:
-    messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}], validated, non-empty
+    messages: list[dict]  # validated, non-empty unless `prompt` is given; see `conversation` for their fields
     params: SamplingParams
+    tools: Tools | None = None  # functions the model may call
+    grammar: str | None = None  # what the reply must match (`grammar.output_grammar`); None: free text
+    prompt: str | None = None  # a raw prompt instead of messages: no template, no session kept
     owner: str = ""  # opaque id of the API key that sent it ("" when auth is off)
     session_id: str | None = None  # client-named session: messages are only the new ones
     request_id: str = ""
@@ -55,9 +59,10 @@ class Usage:
 
 @dataclass
 class Finish:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "tool_calls"
     usage: Usage
     durable: Future | None = None  # done once the turn's transcript is committed (with a state dir)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class EngineError(Exception):
@@ -86,6 +91,18 @@ class PromptTooLong(EngineError):
 
 class GenerationFailed(EngineError):
     pass
+
+
+class InvalidGrammar(EngineError):
+    """The request's output grammar does not build for this model's tokenizer."""
+
+
+class InvalidTokenId(EngineError):
+    """A token id the model's vocabulary does not have; `param` names the field that holds it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -120,8 +137,9 @@ class EngineStats:
     recall_turns_total: int  # turns that recalled at least one block
     decode_steps_total: int
     decode_step_seconds: Histogram
-    requests_by_finish: dict[str, int]  # "stop" | "length" | "cancelled" | "error" -> count
+    requests_by_finish: dict[str, int]  # "stop" | "length" | "tool_calls" | "cancelled" | "error" -> count
     state: StateStats | None = None  # None: sessions are not persisted
+    latency: dict[str, Histogram] = field(default_factory=dict)  # metrics.LATENCIES name -> histogram
 
 
 @dataclass

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
 
-from server.engine.types import ChatRequest, EngineError, EngineNotReady
-from server.errors import ErrorResponse, from_engine_error
+from server.engine.types import ChatRequest, EngineNotReady
+from server.errors import ErrorResponse
 from server.protocol import ChatCompletion, ChatCompletionRequest
 from server.routes.auth import api_key_owner
 from server.routes.completion import Completion
@@ -15,8 +13,6 @@ from server.routes.completion import Completion
 router = APIRouter()
 
 SESSION_HEADER = "X-Session-ID"
-# Proxies (nginx) must hand each token on at once instead of buffering the stream.
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion,
@@ -32,30 +28,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if engine is None:
         raise EngineNotReady("the model is still loading; retry when /health answers 200")
     settings = state.settings
-    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]))
+    completion = Completion(state.model_name, lambda token: engine.tokenizer.decode([token]),
+                            settings.sse_keepalive, settings.request_timeout)
+    tools = body.engine_tools()
     chat = ChatRequest(
         messages=body.engine_messages(),
         params=body.sampling_params(settings.default_max_tokens, settings.max_tokens_limit),
+        tools=tools,
+        grammar=body.grammar(tools),
         owner=owner,
         session_id=body.session_id or request.headers.get(SESSION_HEADER) or None,
         request_id=completion.id,
     )
     handle = await engine.submit(chat)
-    headers = {SESSION_HEADER: handle.session_id}
-    if body.stream:
-        async def cancel() -> None:  # async: a sync background task would run on a worker thread
-            handle.cancel()
-
-        # The background task also cancels a stream the client left before its first chunk was pulled,
-        # when the generator never started and so never reaches its own `finally`.
-        return StreamingResponse(completion.stream(handle, body.include_usage), media_type="text/event-stream",
-                                 headers=headers | STREAM_HEADERS, background=BackgroundTask(cancel))
-    try:
-        reply = await completion.body(handle, request)
-    except EngineError as exc:  # failed midway: the session exists, so the error names it too
-        error = from_engine_error(exc)
-        error.headers = (error.headers or {}) | headers
-        raise error from exc
-    if reply is None:  # the client is gone; nobody reads this
-        return Response(status_code=499, headers=headers)
-    return JSONResponse(reply.model_dump(), headers=headers)
+    return await completion.respond(handle, request, body.stream, body.include_usage,
+                                    {SESSION_HEADER: handle.session_id})

@@ -52,15 +52,18 @@ async def until(condition, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture
-def make_engine(tiny_model, byte_tokenizer):
+def make_engine(tiny_model, byte_tokenizer, exact_model, exact_tokenizer):
     """Build and start engines; every one is stopped at the end of the test."""
     engines = []
 
-    def make(policy: str = "full", budget: int = 64, clock=None, cache: dict | None = None, **config) -> Engine:
-        """cache: more CacheConfig fields (recall); config: EngineConfig fields."""
+    def make(policy: str = "full", budget: int = 64, clock=None, cache: dict | None = None, exact: bool = False,
+             **config) -> Engine:
+        """cache: more CacheConfig fields (recall); exact: the model with a token for every byte
+        (grammars); config: EngineConfig fields."""
         extra = {"clock": clock} if clock else {}
         cache_config = CacheConfig(policy=policy, budget=budget, prefill_chunk=16, **(cache or {}))
-        engine = Engine(tiny_model, byte_tokenizer, cache_config, EngineConfig(**config), render=render, **extra)
+        model, tokenizer = (exact_model, exact_tokenizer) if exact else (tiny_model, byte_tokenizer)
+        engine = Engine(model, tokenizer, cache_config, EngineConfig(**config), render=render, **extra)
         engine.start()
         engines.append(engine)
         return engine

@@ -29,3 +29,15 @@ def test_recalled_tokens_are_summed_and_turns_that_recalled_counted():
     metrics.record_request("error", 10, 4, 0, recalled_tokens=16)
     totals, _ = metrics.snapshot()
     assert (totals["recalled_tokens_total"], totals["recall_turns_total"]) == (48, 2)
+
+
+def test_request_latencies_are_histograms_of_their_own():
+    metrics = EngineMetrics(request_bounds=(0.1, 1.0))
+    metrics.observe("time_to_first_token", [0.05, 2.0])
+    metrics.observe("inter_token_latency", [0.01] * 5)
+    totals, _ = metrics.snapshot()
+    ttft = totals["latency"]["time_to_first_token"]
+    assert (ttft.counts, ttft.count, ttft.sum) == ([1, 1], 2, pytest.approx(2.05))
+    assert totals["latency"]["inter_token_latency"].counts == [5, 5]
+    assert totals["latency"]["queue_time"].count == 0 and set(totals["latency"]) == {
+        "time_to_first_token", "inter_token_latency", "e2e_request_latency", "queue_time"}

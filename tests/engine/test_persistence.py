@@ -9,7 +9,8 @@ import pytest
 
 from server.engine import ChatRequest, Finish, SessionNotFound
 from server.engine.persistence import Persistence
-from server.engine.session import Session, conversation_keys
+from server.engine.conversation import conversation_keys
+from server.engine.session import Session
 from server.engine.statedb import StateDB
 from tests.engine.conftest import ask, collect, greedy
 from tests.engine.test_recall import RECALL

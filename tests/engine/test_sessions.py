@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from server.engine.session import conversation_keys
+from server.engine.conversation import conversation_keys
 from server.engine.sessions import SessionStore
 from server.engine.types import SessionBusy, SessionNotFound
 

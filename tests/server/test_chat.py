@@ -26,8 +26,7 @@ async def test_request_becomes_sampling_params_and_engine_messages(client, engin
     body = {"messages": [{"role": "developer", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
             "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": "x",
-            "presence_penalty": 1, "frequency_penalty": -1, "top_k": 5, "ignore_eos": True,
-            "some_future_field": {"ignored": True}}
+            "presence_penalty": 1, "frequency_penalty": -1, "top_k": 5, "ignore_eos": True}
     r = await client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200
     [request] = engine.requests
@@ -36,6 +35,35 @@ async def test_request_becomes_sampling_params_and_engine_messages(client, engin
                                             stop=("x",), ignore_eos=True, presence_penalty=1.0,
                                             frequency_penalty=-1.0)
     assert request.owner == "" and request.session_id is None and request.request_id == r.json()["id"]
+
+
+async def test_sampling_extras_reach_the_sampler_per_request(client, engine):
+    body = {**HELLO, "logit_bias": {"7": -100, "12": 5.5}, "min_p": 0.1, "repetition_penalty": 1.2,
+            "stop_token_ids": [2, 9]}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    params = engine.requests[0].params
+    assert (params.logit_bias, params.min_p, params.repetition_penalty, params.stop_token_ids) == \
+        (((7, -100.0), (12, 5.5)), 0.1, 1.2, (2, 9))
+
+
+async def test_harmless_openai_fields_are_accepted_and_change_nothing(client, engine):
+    harmless = {"user": "u1", "safety_identifier": "s", "metadata": {"k": "v"}, "store": False,
+                "service_tier": "auto", "prompt_cache_key": "c", "prediction": {"type": "content", "content": "x"},
+                "stream_options": {"include_usage": False, "include_obfuscation": True}}
+    plain = await client.post("/v1/chat/completions", json=HELLO)
+    extra = await client.post("/v1/chat/completions", json={**HELLO, **harmless})
+    assert extra.status_code == 200, extra.text
+    assert extra.json()["choices"] == plain.json()["choices"]
+    assert engine.requests[0].params == engine.requests[1].params
+
+
+async def test_an_echoed_assistant_message_with_null_extras_is_accepted(client, engine):
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "audio": None, "function_call": None,
+              "annotations": [], "name": "bot"}
+    r = await client.post("/v1/chat/completions", json={"messages": [*HELLO["messages"], echoed,
+                                                                      {"role": "user", "content": "again"}]})
+    assert r.status_code == 200, r.text
+    assert engine.requests[0].messages[1] == {"role": "assistant", "content": "hi", "name": "bot"}
 
 
 async def test_defaults_follow_openai_and_the_default_is_capped_by_the_limit(client, engine, app):

@@ -42,10 +42,30 @@ async def test_malformed_json(client):
     ({"messages": USER, "top_k": -1}, "top_k"),
     ({"messages": USER, "seed": 2**64}, "seed"),
     ({"messages": USER, "stop": [""]}, "stop.[0]"),
+    ({"messages": USER, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"\u00b2": 1}}, "logit_bias"),
+    ({"messages": USER, "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"messages": USER, "min_p": 1.5}, "min_p"),
+    ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids.[0]"),
 ])
 async def test_bad_requests_name_the_field(client, engine, body, param):
     err = error_of(await client.post(URL, json=body), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert not engine.requests
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": USER, "some_future_field": 1}, "some_future_field"),
+    ({"messages": USER, "functions": []}, "functions"),
+    ({"messages": USER, "stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "sad"}]}, "messages.[0].mood"),
+    ({"messages": [{"role": "assistant", "content": "hi", "refusal": "no"}]}, "messages.[0].refusal"),
+])
+async def test_unknown_fields_are_refused_by_name(client, engine, body, param):
+    err = error_of(await client.post(URL, json=body), 400)
+    expected = "unsupported_parameter" if param != "messages.[0].refusal" else None
+    assert (err["param"], err["code"], err["type"]) == (param, expected, "invalid_request_error")
     assert not engine.requests
 
 

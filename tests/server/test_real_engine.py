@@ -68,6 +68,39 @@ async def test_engine_refusals_are_openai_errors(client):
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
 
 
+async def test_logit_bias_and_stop_token_ids_steer_the_reply_and_unknown_ids_are_refused(client, byte_tokenizer):
+    [x] = byte_tokenizer.encode("x")
+    forced = (await client.post(URL, json=ask("hello", 6, logit_bias={str(x): 100}))).json()
+    assert forced["choices"][0]["message"]["content"] == "x" * 6
+    stopped = (await client.post(URL, json=ask("hello", 6, logit_bias={str(x): 100}, stop_token_ids=[x],
+                                               ignore_eos=False))).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+    for field, value in [("logit_bias", {"128": 1}), ("stop_token_ids", [999])]:
+        r = await client.post(URL, json=ask("hello", 2, **{field: value}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+async def test_a_text_completion_continues_the_raw_prompt_and_keeps_no_session(client, engine, byte_tokenizer):
+    chat = (await client.post(URL, json=ask("hello there", 6))).json()["choices"][0]["message"]["content"]
+    sessions = engine.stats().active_sessions
+    prompt = render([{"role": "user", "content": "hello there"}], True)
+    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                   "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == chat  # the chat template by hand: the same greedy reply
+    assert r.json()["usage"]["prompt_tokens"] == len(byte_tokenizer.encode(prompt))
+    assert engine.stats().active_sessions == sessions and "x-session-id" not in r.headers
+
+
+async def test_tokenize_gives_what_a_chat_request_prefills_and_detokenize_spells_it(client, byte_tokenizer):
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = (await client.post("/tokenize", json={"messages": messages})).json()["tokens"]
+    assert tokens == byte_tokenizer.encode(render(messages, True))
+    assert (await client.post("/detokenize", json={"tokens": tokens})).json()["prompt"] == render(messages, True)
+    r = (await client.post("/tokenize", json={"prompt": "abc"})).json()
+    assert r == {"count": 3, "max_model_len": 200, "tokens": byte_tokenizer.encode("abc")}
+
+
 async def test_a_disconnected_stream_frees_its_batch_slot(live_url, engine):
     async with httpx.AsyncClient(base_url=live_url, timeout=30) as client:
         async with client.stream("POST", URL, json=ask("hi", 4096, stream=True)) as r:
@@ -81,5 +114,8 @@ async def test_a_disconnected_stream_frees_its_batch_slot(live_url, engine):
 async def test_metrics_count_the_engine_work(client):
     await client.post(URL, json=ask("hello", 5))
     text = (await client.get("/metrics")).text
-    assert "h2o_generated_tokens_total 5" in text and "h2o_active_sessions 1" in text
+    assert "h2o_generated_tokens_total 5.0" in text and "h2o_active_sessions 1.0" in text
     assert "h2o_decode_step_seconds_count" in text
+    for name, count in [("time_to_first_token", 1), ("inter_token_latency", 4), ("e2e_request_latency", 1),
+                        ("queue_time", 1)]:
+        assert f"h2o_{name}_seconds_count {count:.1f}" in text

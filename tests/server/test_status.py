@@ -105,9 +105,15 @@ async def test_metrics_in_prometheus_text_format(client):
     assert samples["h2o_prompt_tokens_total"] == 10 and samples["h2o_generated_tokens_total"] == 20
     assert samples['h2o_requests_finished_total{reason="length"}'] == 1
     assert families["h2o_decode_step_seconds"]["type"] == "histogram"
-    assert [v for n, v in families["h2o_decode_step_seconds"]["samples"]] == [2, 4, 5, 0.25, 5]
-    assert samples['h2o_decode_step_seconds_bucket{le="+Inf"}'] == samples["h2o_decode_step_seconds_count"]
+    assert dict(families["h2o_decode_step_seconds"]["samples"]) == {
+        'h2o_decode_step_seconds_bucket{le="0.01"}': 2, 'h2o_decode_step_seconds_bucket{le="0.1"}': 4,
+        'h2o_decode_step_seconds_bucket{le="+Inf"}': 5, "h2o_decode_step_seconds_sum": 0.25,
+        "h2o_decode_step_seconds_count": 5}
     assert all(f["type"] == "counter" for n, f in families.items() if n.endswith("_total"))
+    assert samples["h2o_time_to_first_token_seconds_count"] == 3 and samples["h2o_queue_time_seconds_sum"] == 0.5
+    for name in ("inter_token_latency", "e2e_request_latency"):
+        assert families[f"h2o_{name}_seconds"]["type"] == "histogram"
+    assert samples["process_resident_memory_bytes"] > 0 and "process_cpu_seconds_total" in samples
 
 
 async def test_metrics_report_the_state_dir_when_sessions_persist(client, engine, monkeypatch):
