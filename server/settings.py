@@ -90,7 +90,7 @@ class ServerSettings(BaseSettings):
                                               "every prefill chunk and every --recall-interval decode steps, held on "
                                               "top of --kv-budget; a multiple of --recall-block; 0: evicted tokens are "
                                               "dropped; unset: 128 with an evicting policy and position rolling, else 0")
-    recall_block: int = Field(16, ge=1, le=4096, description="tokens per archived block, the unit of recall")
+    recall_block: int = Field(8, ge=1, le=4096, description="tokens per archived block, the unit of recall")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
