@@ -16,7 +16,7 @@ def test_an_inconsistent_budget_exits_before_loading(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--policy", "full", "--recall-budget", "64"], "recall needs an evicting policy"),
-    (["--recall-budget", "24"], "must be a multiple of recall_block"),
+    (["--recall-budget", "20"], "must be a multiple of recall_block"),  # blocks of 8
     (["--recall-budget", "64", "--recall-archive", "32"], "must hold at least recall_budget"),
 ])
 def test_recall_settings_that_cannot_work_exit_before_loading(capsys, args, message):
