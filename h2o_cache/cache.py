@@ -63,6 +63,7 @@ class _Step:
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
     decode: bool = False  # at most one token per row: with recall, its queries are kept (`_queries`)
+    fed: list[int] | None = None  # rows given tokens, with recall
 
 
 class H2OCache:
@@ -243,15 +244,16 @@ class H2OCache:
         """
         if len(n_new) != self.batch_size:
             raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
+        chunk = max(n_new)
+        fed = None
         if self.config.recalls:
             fed = [row for row, n in enumerate(n_new) if n]
-            if max(n_new) > 1:
+            if chunk > 1:
                 for row in fed:
                     recall.grow(self, row)
                     self.due[row] = False  # the chunk chooses with its own queries
             else:
                 self.choose_due(fed)
-        chunk = max(n_new)
         device = self.spec.device
         starts = torch.tensor(self.lengths, device=device)
         offsets = torch.arange(chunk, device=device)
@@ -278,7 +280,7 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid, decode=chunk == 1,
+            kv_len=kv_len, mask=mask, query_valid=query_valid, decode=chunk == 1, fed=fed,
         )
         return positions
 
@@ -328,8 +330,7 @@ class H2OCache:
         h_kv, k = keys.shape[1], keys.shape[2]
         if self.config.recalls:
             if step.decode:  # rows given no token keep the queries they had
-                fed = [row for row, n in enumerate(step.n_new) if n]
-                self._queries[layer_idx, fed] = self._plain(query)[fed, :, 0].to(self._queries.dtype)
+                self._queries[layer_idx, step.fed] = self._plain(query)[step.fed, :, 0].to(self._queries.dtype)
             elif any(self.recalled):
                 self._choose(layer_idx, query, scaling)
         if not self.policy.needs_scores:

@@ -272,16 +272,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.fact and args.keys > len(CITIES):
         parser.error(f"--fact has {len(CITIES)} cities, fewer than --keys {args.keys}")
+    for flag, doors in (("--facts", args.facts), ("--list", args.listing)):
+        if doors and not 1 <= doors <= len(DOORS):
+            parser.error(f"{flag} takes 1..{len(DOORS)}")
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
     window = getattr(model.config, "max_position_embeddings", None)
     text = args.text.read_text()
     planted = secrets(args.keys, args.fact, args.seed)
+    filler = [] if args.chat is not None else tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
     if args.facts:
-        if not 1 <= args.facts <= len(DOORS):
-            parser.error(f"--facts takes 1..{len(DOORS)}")
-        filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
         cells, deep = [], []
         for length in args.lengths:
             sets = [facts_prompts(gen, filler[:length], args.facts, args.seed + i) for i in range(args.keys)]
@@ -292,9 +293,6 @@ def main(argv: list[str] | None = None) -> None:
                 cells.append((label, prefix, [chats[k] for _, chats in sets]))
                 deep.append(label)
     elif args.listing:
-        if not 1 <= args.listing <= len(DOORS):
-            parser.error(f"--list takes 1..{len(DOORS)}")
-        filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
         cells, deep = [], []
         for length in args.lengths:
             sets = [listing_prompt(gen, filler[:length], args.listing, args.seed + i) for i in range(args.keys)]
@@ -304,7 +302,6 @@ def main(argv: list[str] | None = None) -> None:
         words = text.split()[FILLER_START // 2:]
         cells, deep = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat], []
     else:
-        filler = tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
         cells, deep = [], []  # deep: the cells of the goal, depths >= 50%
         for length in args.lengths:
             for depth in args.depths:
