@@ -59,14 +59,18 @@ class Sampler:
 
     prompt: the tokens the sequence was given, which `repetition_penalty` counts as seen (as
     transformers and vLLM do); kept only when that penalty is on.
+    history: with a penalty on, [2, V] int32 on the logits' device (allocated at the first sample):
+    row 0 counts each token sampled so far, row 1 marks the prompt's tokens. It stays on the device,
+    so a step's penalties cost the same however long the reply is.
     """
 
     def __init__(self, params: SamplingParams, prompt: Iterable[int] = ()):
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.draws = 0
-        self.counts: dict[int, int] = {}
+        self.penalized = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1)
         self.prompt: set[int] = set(prompt) if params.repetition_penalty != 1 else set()
+        self.history: torch.Tensor | None = None
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits: [V] fp32 for this sequence's next token."""
@@ -80,8 +84,18 @@ class Sampler:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
+    def _history(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self.history is None:
+            self.history = torch.zeros(2, vocab, dtype=torch.int32, device=device)
+            if self.prompt:
+                ids = torch.tensor(sorted(self.prompt)).to(device, non_blocking=True)
+                self.history[1].index_fill_(0, ids, 1)
+        return self.history
+
 
 _MASK64 = (1 << 64) - 1
+# Columns of the per-row table a step uploads once: what every row's sampling fields need on the device.
+_TEMPERATURE, _TOP_P, _TOP_K, _UNIFORM, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(8)
 
 
 @torch.no_grad()
@@ -90,67 +104,63 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> list[Sample]:
 
     logits: [B, V] (any float dtype, any device); row b follows samplers[b]. Penalties apply to the
     logits before everything else; logprobs are of the penalized logits, before temperature.
+    The host work is one pass over the rows (their fields, and a uniform each when any row samples);
+    the rows' token histories stay on the device.
     """
     logits = logits.float()
     device, vocab = logits.device, logits.shape[-1]
     params = [s.params for s in samplers]
-    logits = _biased(_penalized(_repetition_penalized(logits, samplers), samplers), samplers)
+    drawing = any(p.temperature > 0 for p in params)
+    table = torch.tensor(
+        [[p.temperature, p.top_p, min(p.top_k or vocab, vocab), s.uniform() if drawing else 0.0, p.min_p,
+          p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p, s in zip(params, samplers)],
+        dtype=torch.float64,
+    ).to(device, non_blocking=True)  # [B, 8]
+    penalized = [s for s in samplers if s.penalized]
+    history = None
+    if penalized:
+        blank = torch.zeros(2, vocab, dtype=torch.int32, device=device)
+        history = torch.stack([s._history(vocab, device) if s.penalized else blank for s in samplers])  # [B, 2, V]
+        logits = _penalized(logits, history, table)
+    logits = _biased(logits, samplers)
     tokens = logits.argmax(dim=-1)
-    if any(p.temperature > 0 for p in params):
-        tokens = torch.where(_column(device, [p.temperature for p in params]) > 0, _draw(logits, samplers)[:, None],
-                             tokens[:, None])[:, 0]
-    token_ids = tokens.tolist()
-    for sampler, token in zip(samplers, token_ids):
-        sampler.counts[token] = sampler.counts.get(token, 0) + 1
+    if drawing:
+        tokens = torch.where(table[:, _TEMPERATURE] > 0, _draw(logits, params, table), tokens)
+    if history is not None:
+        generated = history[:, 0]
+        generated.scatter_add_(1, tokens[:, None], torch.ones_like(generated[:, :1]))
+        torch._foreach_copy_([s.history for s in penalized],
+                             [row for row, s in zip(history.unbind(0), samplers) if s.penalized])
     if all(p.logprobs is None for p in params):
-        return [Sample(t) for t in token_ids]
+        return [Sample(t) for t in tokens.cpu().tolist()]
     logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, tokens[:, None])
     k = min(max(p.logprobs or 0 for p in params), vocab)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[:, None][:, :0])
-    top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-    return [
-        Sample(t) if p.logprobs is None else Sample(t, lp, row[:p.logprobs])
-        for t, p, lp, row in zip(token_ids, params, chosen, top)
-    ]
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    # one download: token ids (exact in float64), the chosen logprob, the top ids and their logprobs
+    packed = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_values.double()], dim=1)
+    out = []
+    for p, row in zip(params, packed.cpu().tolist()):
+        token = int(row[0])
+        if p.logprobs is None:
+            out.append(Sample(token))
+        else:
+            top = [(int(i), v) for i, v in zip(row[2:2 + k], row[2 + k:])]
+            out.append(Sample(token, row[1], top[:p.logprobs]))
+    return out
 
 
-def _column(device: torch.device, values: list[float]) -> torch.Tensor:
-    """[B, 1] fp32 on device from a host list (one upload)."""
-    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)[:, None]
-
-
-def _penalized(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
-    rows, ids, amounts = [], [], []
-    for row, s in enumerate(samplers):
-        p = s.params
-        if p.presence_penalty or p.frequency_penalty:
-            for token, count in s.counts.items():
-                rows.append(row)
-                ids.append(token)
-                amounts.append(p.presence_penalty + p.frequency_penalty * count)
-    if not rows:
-        return logits
-    index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
-    return logits.index_put((index[0], index[1]), -_column(logits.device, amounts)[:, 0], accumulate=True)
-
-
-def _repetition_penalized(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
-    """Every token a row has seen (prompt or reply) gets its logit divided by the row's penalty if
-    positive, multiplied if negative."""
-    rows, ids, amounts = [], [], []
-    for row, s in enumerate(samplers):
-        if s.params.repetition_penalty != 1:
-            seen = s.prompt.union(s.counts)
-            rows += [row] * len(seen)
-            ids += seen
-            amounts += [s.params.repetition_penalty] * len(seen)
-    if not rows:
-        return logits
-    index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
-    penalty = _column(logits.device, amounts)[:, 0]
-    values = logits[index[0], index[1]]
-    return logits.index_put((index[0], index[1]), torch.where(values > 0, values / penalty, values * penalty))
+def _penalized(logits: torch.Tensor, history: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """CTRL's repetition penalty over every token a row has seen (prompt or reply): its logit divided
+    by the row's penalty if positive, multiplied if not; then OpenAI's presence and frequency
+    penalties over the reply's tokens: presence + frequency x count subtracted.
+    history: [B, 2, V] int32 (`Sampler.history`); table: the step's [B, 8] float64 fields."""
+    generated = history[:, 0]
+    repetition = table[:, _REPETITION:_REPETITION + 1].float()
+    seen = (generated + history[:, 1] > 0) & (repetition != 1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    amount = table[:, _PRESENCE:_PRESENCE + 1] * (generated > 0) + table[:, _FREQUENCY:_FREQUENCY + 1] * generated
+    return logits - amount.float()  # the amount in float64 then rounded once, as a host-computed one would be
 
 
 def _biased(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
@@ -163,35 +173,46 @@ def _biased(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
     if not rows:
         return logits
     index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
-    return logits.index_put((index[0], index[1]), _column(logits.device, amounts)[:, 0], accumulate=True)
+    amounts = torch.tensor(amounts, dtype=torch.float32).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), amounts, accumulate=True)
 
 
-def _draw(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, params: list[SamplingParams], table: torch.Tensor) -> torch.Tensor:
     """Sample [B] token ids by inverse CDF with each row's own uniform; top-k then top-p as before."""
-    params = [s.params for s in samplers]
-    vocab = logits.shape[-1]
-    # temperature, top_p, top_k (0: all), uniform, min_p: one upload
-    table = torch.tensor(
-        [[p.temperature or 1.0, p.top_p, min(p.top_k or vocab, vocab), s.uniform(), p.min_p]
-         for p, s in zip(params, samplers)],
-        dtype=torch.float64,
-    ).to(logits.device, non_blocking=True)
-    scaled = logits / table[:, :1].float()
+    temperature = table[:, _TEMPERATURE:_TEMPERATURE + 1].float()
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)  # greedy rows: drawn but not taken
     if any(p.min_p > 0 for p in params):
         # log p(token) < log(min_p) + log p(best)  <=>  scaled < log(min_p) + max(scaled)
-        floor = table[:, 4:5].float().log() + scaled.max(dim=-1, keepdim=True).values
+        floor = table[:, _MIN_P:_MIN_P + 1].float().log() + scaled.max(dim=-1, keepdim=True).values
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if any(p.top_k or p.top_p < 1 for p in params):
         ranked, order = scaled.sort(dim=-1, descending=True)
-        kth = ranked.gather(1, table[:, 2:3].long() - 1)
+        kth = ranked.gather(1, table[:, _TOP_K:_TOP_K + 1].long() - 1)
         ranked = ranked.masked_fill(ranked < kth, float("-inf"))
         if any(p.top_p < 1 for p in params):
             probs = ranked.softmax(dim=-1)
             # Drop a token once the mass before it already reaches top_p; the best token always stays.
-            top_p = table[:, 1:2].float()
+            top_p = table[:, _TOP_P:_TOP_P + 1].float()
             drop = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1)
             ranked = ranked.masked_fill(drop, float("-inf"))
         scaled = scaled.scatter(1, order, ranked)
-    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
-    target = table[:, 3:4].float() * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=vocab - 1)
+    probs = scaled.softmax(dim=-1)
+    return inverse_cdf(probs, probs.cumsum(dim=-1), table[:, _UNIFORM:_UNIFORM + 1].float())
+
+
+def inverse_cdf(probs: torch.Tensor, cdf: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose CDF interval holds uniform x total mass: [B] int64.
+
+    probs, cdf: [B, V] fp32, cdf the cumsum of probs; uniform: [B, 1] in [0, 1).
+    CUDA's fp32 cumsum is not guaranteed monotonic (its parallel scan sums prefixes in different
+    orders), and a binary search over a CDF that dips or rises across a run of filtered-out tokens can
+    stop in that run. The search runs over the CDF's running maximum, and a token of zero probability
+    is replaced by the nearest allowed token before it (the first allowed one if none is).
+    """
+    vocab = probs.shape[-1]
+    cdf = cdf.cummax(dim=-1).values
+    picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # [B, 1]
+    allowed = probs > 0
+    slots = torch.arange(vocab, device=probs.device)
+    allowed_before = torch.where(allowed, slots, -1).cummax(dim=-1).values.gather(1, picked)[:, 0]
+    return torch.where(allowed_before < 0, allowed.int().argmax(dim=-1), allowed_before)

@@ -77,3 +77,58 @@ def test_rows_keep_their_own_sampling_fields_in_one_batch():
 def test_out_of_range_new_fields_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def old_penalized(logits: torch.Tensor, params: list[SamplingParams], prompts: list[set[int]],
+                  counts: list[dict[int, int]]) -> torch.Tensor:
+    """The rule as it was written before the histories moved to the device: Python lists over every
+    token each row has seen, every step."""
+    logits = logits.clone()
+    for row, (p, prompt, count) in enumerate(zip(params, prompts, counts)):
+        if p.repetition_penalty != 1:
+            for token in prompt | set(count):
+                penalty = torch.tensor(p.repetition_penalty, dtype=torch.float32)
+                value = logits[row, token]
+                logits[row, token] = value / penalty if value > 0 else value * penalty
+        if p.presence_penalty or p.frequency_penalty:
+            for token, n in count.items():
+                logits[row, token] += -torch.tensor(p.presence_penalty + p.frequency_penalty * n, dtype=torch.float32)
+    return logits
+
+
+def test_penalties_from_device_histories_equal_the_host_rule_bit_for_bit():
+    from h2o_cache.sampling import _penalized, sample
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 40, 6
+    params = [SamplingParams(temperature=1.0, seed=row, presence_penalty=[0.0, 0.7, -0.3][row % 3],
+                             frequency_penalty=[0.0, 0.25, 1.1][row // 2 % 3],
+                             repetition_penalty=[1.0, 1.3, 0.8][(row + 1) % 3]) for row in range(rows)]
+    prompts = [set(torch.randint(vocab, (5,), generator=generator).tolist()) for _ in range(rows)]
+    samplers = [Sampler(p, prompt) for p, prompt in zip(params, prompts)]
+    counts: list[dict[int, int]] = [{} for _ in range(rows)]
+    for _ in range(30):
+        logits = torch.randn(rows, vocab, generator=generator) * 3
+        expected = old_penalized(logits, params, [s.prompt for s in samplers], counts)
+        table = torch.tensor([[0, 0, 0, 0, 0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+                              for p in params], dtype=torch.float64)
+        history = torch.stack([s._history(vocab, logits.device) for s in samplers])
+        assert torch.equal(_penalized(logits, history, table), expected)
+        for count, drawn in zip(counts, sample(logits, samplers)):
+            count[drawn.token] = count.get(drawn.token, 0) + 1
+    assert all(s.history[0].sum() == 30 for s in samplers)
+
+
+def test_a_cdf_that_is_not_monotonic_never_yields_a_filtered_token():
+    """CUDA's parallel cumsum can dip, or rise across tokens of zero probability; the search must
+    still land on an allowed token, the one whose interval holds the target."""
+    from h2o_cache.sampling import inverse_cdf
+
+    probs = torch.tensor([[0.3, 0.0, 0.0, 0.7], [0.5, 0.0, 0.2, 0.3], [0.0, 0.0, 0.4, 0.6]])
+    cdf = torch.tensor([[0.3, 0.30001, 0.30002, 1.0],  # rises across filtered tokens 1, 2
+                        [0.5, 0.49998, 0.7, 1.0],  # dips after token 0
+                        [1e-6, 2e-6, 0.4, 1.0]])  # rises before the first allowed token
+    uniform = torch.tensor([[0.300005], [0.49999], [0.0000015]])
+    tokens = inverse_cdf(probs, cdf, uniform)
+    assert probs.gather(1, tokens[:, None]).gt(0).all(), tokens
+    assert tokens.tolist() == [0, 0, 2]
