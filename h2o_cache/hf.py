@@ -231,11 +231,37 @@ def _weight(packed: dict[int, QuantizedMatrix] | None, weight: torch.Tensor) -> 
 
 
 def _fused(packed: dict[int, QuantizedMatrix] | None, *linears) -> torch.Tensor | QuantizedMatrix:
-    """Weights of linears applied to the same input, stacked: [sum of out, in]."""
+    """Weights of linears applied to the same input, stacked: [sum of out, in].
+
+    The model's own weights become views of the stacked matrix, so the weights are held once (an 8B
+    model in bf16 would otherwise hold ~9 GB of q/k/v and gate/up twice); a second call finds them
+    stacked already and returns the same matrix.
+    """
     parts = [(packed or {}).get(id(linear.weight)) for linear in linears]
     if all(parts) and (fused := QuantizedMatrix.cat(parts)) is not None:
         return fused
-    return torch.cat([linear.weight.detach() for linear in linears])
+    weights = [linear.weight.detach() for linear in linears]
+    first = weights[0]
+    rows = sum(w.shape[0] for w in weights)
+    if _stacked(weights):
+        return first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
+    fused = torch.cat(weights)
+    start = 0
+    for linear, weight in zip(linears, weights):
+        linear.weight.data = fused[start:start + weight.shape[0]]
+        start += weight.shape[0]
+    return fused
+
+
+def _stacked(weights: list[torch.Tensor]) -> bool:
+    """Whether the weights are consecutive rows of one contiguous matrix."""
+    storage = weights[0].untyped_storage().data_ptr()
+    offset = weights[0].storage_offset()
+    for w in weights:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != storage or w.storage_offset() != offset:
+            return False
+        offset += w.numel()
+    return storage != 0
 
 
 def _cat_bias(*linears) -> torch.Tensor | None:

@@ -143,3 +143,22 @@ def test_a_reallocated_cache_is_refused_rather_than_read_stale(peaked_model):
     decoder.cache.pop(1)
     with pytest.raises(RuntimeError, match="reallocated"):
         decoder.step()
+
+
+def test_fused_weights_share_the_models_storage_and_leave_its_outputs_unchanged():
+    """q/k/v and gate/up stacked for the step are the model's own weights, not copies of them."""
+    from h2o_cache.hf import decoder_weights
+
+    model = tiny_llama(seed=3)
+    ids = torch.tensor([[5, 9, 20, 7]])
+    with torch.no_grad():
+        before = model(ids).logits
+    weights = decoder_weights(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv, gate_up = weights.layers[0].qkv, weights.layers[0].gate_up
+    assert qkv.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.out_features:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gate_up[mlp.gate_proj.out_features:].data_ptr()
+    assert decoder_weights(model).layers[0].qkv.data_ptr() == qkv.data_ptr()  # not stacked again
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
