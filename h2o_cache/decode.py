@@ -112,6 +112,19 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
+def attention_logits(q: torch.Tensor, keys_t: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """mask + scaling * q @ keys_t in fp32: q [N, G, D] and keys_t [N, D, K] in the model's dtype.
+
+    On CUDA, bf16 / fp16 operands are multiplied as they are, accumulating and returning fp32: the
+    products of bf16 values are exact in fp32, so this is the fp32 product up to summation order,
+    without an fp32 copy of every row's key slab per layer and step (3x the attention's reads). The
+    CPU has no such kernel; there the model is fp32 and `float()` copies nothing.
+    """
+    if q.dtype != torch.float32 and q.device.type == "cuda":
+        return torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(scaling).add_(mask)
+    return torch.baddbmm(mask, q.float(), keys_t.float(), alpha=scaling)
+
+
 @torch.no_grad()
 def decode_step(
     w: DecoderWeights,
@@ -164,9 +177,9 @@ def decode_step(
         values.scatter_(2, write, v[:, :, None])
 
         # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
-        q = qk[:, :h_q].reshape(b * h_kv, group, d).float()
-        keys_t = keys.reshape(b * h_kv, capacity, d).float().transpose(1, 2)
-        probs = torch.baddbmm(mask, q, keys_t, alpha=w.scaling).softmax(dim=-1)
+        q = qk[:, :h_q].reshape(b * h_kv, group, d)
+        keys_t = keys.reshape(b * h_kv, capacity, d).transpose(1, 2)
+        probs = attention_logits(q, keys_t, mask, w.scaling).softmax(dim=-1)
         if cache.scores is not None:
             scores = cache.scores[layer, :b]  # [B, H_kv, capacity]
             scores.scatter_(2, write[..., 0], 0.0)
