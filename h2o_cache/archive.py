@@ -18,8 +18,10 @@ picks candidate blocks; the exact logits of the queries against their keys choos
 
 The archive is never emptied by a recall: the cache's recall window (`h2o_cache.recall`) holds
 copies of the blocks its queries chose, so a block that falls out of the chosen set is still here,
-and a block is in the window at most once. On a CUDA device the storage is pinned and evicted tokens
-are copied asynchronously; reads (`select`, `gather`, `state`) wait for the copies first.
+and a block is in the window at most once. The storage is ordinary host memory. On a CUDA device an
+eviction downloads what it drops in one asynchronous copy into pinned memory (`compaction.archive`)
+and appends views of it with the copy's event; they are written into the storage when the archive is
+next read or written (`land`), by which time the copy has long finished.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Archive:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 block: int, limit: int, pin: bool = False):
+                 block: int, limit: int):
         if block < 1 or limit < block:
             raise ValueError(f"archive block ({block}) must be >= 1 and <= its limit ({limit})")
         self.shape = (num_layers, num_kv_heads)
@@ -53,7 +55,6 @@ class Archive:
         self.dtype = dtype
         self.block = block
         self.limit = limit - limit % block
-        self.pin = pin
         self.stored = 0  # tokens per head
         self.dropped = 0  # tokens per head dropped at the limit, oldest first
         self.epoch = 0  # bumped whenever block indices change meaning
@@ -61,7 +62,7 @@ class Archive:
         self._data: dict[str, torch.Tensor] = {}
         self._lo = self._hi = None
         self._digested = 0  # blocks whose digests are computed
-        self._copies: list[torch.cuda.Event] = []
+        self._incoming: list[tuple[int, tuple[torch.Tensor | None, ...], torch.cuda.Event | None]] = []
 
     def __len__(self) -> int:
         """Tokens per layer/head held."""
@@ -81,39 +82,48 @@ class Archive:
     # ----- writing ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def append(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, origins: torch.Tensor) -> None:
-        """Add m evicted tokens per head: keys, values [L, H_kv, m, D] (any device), scores and
-        origins [L, H_kv, m] (scores None for policies that do not score: stored as 0)."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor | None, origins: torch.Tensor,
+               copied: torch.cuda.Event | None = None) -> None:
+        """Add m evicted tokens per head: keys, values [L, H_kv, m, D] on the host, scores and origins
+        [L, H_kv, m] (scores None for policies that do not score: stored as 0).
+
+        copied: the event of an asynchronous copy still filling the sources; they are kept as they
+        are and written into the storage when the archive is next read or written.
+        """
         m = keys.shape[2]
         if m == 0:
             return
+        self.land()
         if self.stored + m > self.limit:
             self._drop_oldest(self.stored + m - self.limit)
         self._grow(self.stored + m)
-        end = self.stored + m
-        non_blocking = self.pin and keys.is_cuda
-        for name, source in zip(_FIELDS, (keys, values, scores, origins)):
-            if source is None:
-                self._data[name][:, :, self.stored:end] = 0
-            else:
-                self._data[name][:, :, self.stored:end].copy_(source, non_blocking=non_blocking)
-        if non_blocking:
-            event = torch.cuda.Event()
-            event.record()
-            self._copies.append(event)
-        self.stored = end
+        self._incoming.append((self.stored, (keys, values, scores, origins), copied))
+        self.stored += m
+        if copied is None:
+            self.land()
+
+    def land(self) -> None:
+        """Write appended tokens whose copy was pending into the storage (waiting for the copy only
+        if it has not finished)."""
+        for start, sources, copied in self._incoming:
+            if copied is not None and not copied.query():
+                copied.synchronize()
+            end = start + sources[0].shape[2]
+            for name, source in zip(_FIELDS, sources):
+                self._data[name][:, :, start:end] = 0 if source is None else source
+        self._incoming.clear()
 
     def _grow(self, needed: int) -> None:
         if needed <= self._capacity:
             return
         capacity = min(self.limit, max(needed, self._capacity + self._capacity // 2, 4 * self.block))
         capacity = -(-capacity // self.block) * self.block
-        self._wait()
+        self.land()
         head, d, blocks = self.shape, self.head_dim, capacity // self.block
-        new = {"keys": torch.empty(*head, capacity, d, dtype=self.dtype, pin_memory=self.pin),
-               "values": torch.empty(*head, capacity, d, dtype=self.dtype, pin_memory=self.pin),
-               "scores": torch.empty(*head, capacity, dtype=torch.float32, pin_memory=self.pin),
-               "origins": torch.empty(*head, capacity, dtype=torch.int64, pin_memory=self.pin)}
+        new = {"keys": torch.empty(*head, capacity, d, dtype=self.dtype),
+               "values": torch.empty(*head, capacity, d, dtype=self.dtype),
+               "scores": torch.empty(*head, capacity, dtype=torch.float32),
+               "origins": torch.empty(*head, capacity, dtype=torch.int64)}
         lo, hi = torch.empty(*head, blocks, d), torch.empty(*head, blocks, d)
         if self._data:
             for name, buffer in new.items():
@@ -125,7 +135,7 @@ class Archive:
 
     def _drop_oldest(self, at_least: int) -> None:
         """Drop the oldest whole blocks (at least `at_least` tokens, an eighth of the limit or more)."""
-        self._digests()  # waits for pending copies; every full block has its digest to move
+        self._digests()  # lands pending copies; every full block has its digest to move
         size, full = self.block, self.stored // self.block
         drop = min(full, -(-max(at_least, self.limit // 8) // size))
         for buffer in self._data.values():
@@ -137,17 +147,12 @@ class Archive:
         self.dropped += drop * size
         self.epoch += 1
 
-    def _wait(self) -> None:
-        for event in self._copies:
-            event.synchronize()
-        self._copies.clear()
-
     # ----- recall ----------------------------------------------------------------------------
 
     def _digests(self) -> tuple[torch.Tensor, torch.Tensor]:
         """lo, hi: [L, H_kv, full blocks, D] fp32, computed for the blocks completed since last
         time, once the tokens not yet in a digested block are sorted by origin."""
-        self._wait()
+        self.land()
         full = self.stored // self.block
         if self._digested < full:
             start, size = self._digested, self.block
@@ -217,7 +222,7 @@ class Archive:
     # ----- copies and snapshots -------------------------------------------------------------
 
     def copy(self) -> Archive:
-        twin = Archive(*self.shape, self.head_dim, self.dtype, self.block, self.limit, self.pin)
+        twin = Archive(*self.shape, self.head_dim, self.dtype, self.block, self.limit)
         twin.load_state(self.state())
         twin.dropped = self.dropped
         twin.epoch = self.epoch  # the same blocks under the same numbers: windows onto them stay valid
@@ -227,7 +232,7 @@ class Archive:
         """The held tokens as host tensors, in storage order, and `blocked`: how many blocks of them are
         formed (their tokens sorted; the rest are sorted when the next block completes). Digests are
         recomputed on load."""
-        self._wait()
+        self.land()
         if not self._data:
             keys = torch.zeros(*self.shape, 0, self.head_dim, dtype=self.dtype)
             return {"keys": keys, "values": keys.clone(), "scores": torch.zeros(*self.shape, 0),

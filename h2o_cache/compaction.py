@@ -14,6 +14,7 @@ import torch
 
 from h2o_cache.eviction import keep_indices, take_vectors
 from h2o_cache.rope import rotate_into
+from h2o_cache.transfer import download, upload
 
 if TYPE_CHECKING:
     from h2o_cache.cache import H2OCache
@@ -29,15 +30,14 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     target = max(keep)
     longest = max(cache.lengths[row] for row in rows)
     first = rows[0]
+    row_ids, lengths, kept = upload([rows, [cache.lengths[row] for row in rows], keep], device)
     if rows == list(range(first, first + len(rows))):  # the usual case: plain slices, no copies
         picked = slice(first, first + len(rows))
     else:
-        picked = torch.tensor(rows, device=device)
+        picked = row_ids
     scores = cache._scores[:, picked, :, :longest] if cache._scores is not None else None
     priority = cache.policy.priority(scores, torch.arange(longest, device=device))
     priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
-    lengths = torch.tensor([cache.lengths[row] for row in rows], device=device)
-    kept = torch.tensor(keep, device=device)
     pinned = cache._pinned[:, picked, :, :longest] if cache._pinned is not None else None
     index = keep_indices(  # [L, rows, H, target]
         priority, lengths, kept, config.sinks, config.recent, width=target, pinned=pinned,
@@ -53,7 +53,7 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     # index's row (l, rows[i], h) starts at vector ((l * R + rows[i]) * H + h) * capacity of a buffer
     layers, rows_capacity, heads, capacity, _ = cache._keys.shape
     starts = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
-              + torch.tensor(rows, device=device)[None, :, None]) * heads + torch.arange(heads, device=device)
+              + row_ids[None, :, None]) * heads + torch.arange(heads, device=device)
     starts = starts[..., None] * capacity
     kept_keys = kept_vectors(cache, cache._keys, starts, index)
     if cache.config.rolling:
@@ -93,13 +93,18 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
     kept = torch.zeros(shape, dtype=torch.bool, device=spec.device).scatter_(3, index, True)
     dropped = ~kept & (slots < lengths[:, None, None])
     order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)  # dropped slots first, ascending
+    fields = []  # per row: keys, values, scores (None without), origins of its dropped tokens
     for i, (row, n) in enumerate(zip(rows, keep)):
         gone = order[:, i, :, :cache.lengths[row] - n]  # [L, H, m]
         vectors = gone[..., None].expand(-1, -1, -1, spec.head_dim)
+        fields.append((cache._keys[:, row].gather(2, vectors), cache._values[:, row].gather(2, vectors),
+                       cache._scores[:, row].gather(2, gone) if cache._scores is not None else None,
+                       cache._origins[:, row].gather(2, gone)))
+    copied = None
+    if spec.device.type == "cuda":
+        fields, copied = download(fields)
+    for row, row_fields in zip(rows, fields):
         if cache.archives[row] is None:
             cache.archives[row] = cache.new_archive()
-        cache.archives[row].append(
-            cache._keys[:, row].gather(2, vectors), cache._values[:, row].gather(2, vectors),
-            cache._scores[:, row].gather(2, gone) if cache._scores is not None else None,
-            cache._origins[:, row].gather(2, gone),
-        )
+        cache.archives[row].append(*row_fields, copied=copied)
+

@@ -8,6 +8,8 @@ from typing import Iterable
 
 import torch
 
+from h2o_cache.transfer import upload
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -88,7 +90,7 @@ class Sampler:
         if self.history is None:
             self.history = torch.zeros(2, vocab, dtype=torch.int32, device=device)
             if self.prompt:
-                ids = torch.tensor(sorted(self.prompt)).to(device, non_blocking=True)
+                ids = upload(sorted(self.prompt), device)
                 self.history[1].index_fill_(0, ids, 1)
         return self.history
 
@@ -111,11 +113,11 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> list[Sample]:
     device, vocab = logits.device, logits.shape[-1]
     params = [s.params for s in samplers]
     drawing = any(p.temperature > 0 for p in params)
-    table = torch.tensor(
+    table = upload(
         [[p.temperature, p.top_p, min(p.top_k or vocab, vocab), s.uniform() if drawing else 0.0, p.min_p,
           p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p, s in zip(params, samplers)],
-        dtype=torch.float64,
-    ).to(device, non_blocking=True)  # [B, 8]
+        device, torch.float64,
+    )  # [B, 8]
     penalized = [s for s in samplers if s.penalized]
     history = None
     if penalized:
@@ -172,9 +174,8 @@ def _biased(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
             amounts.append(amount)
     if not rows:
         return logits
-    index = torch.tensor([rows, ids]).to(logits.device, non_blocking=True)
-    amounts = torch.tensor(amounts, dtype=torch.float32).to(logits.device, non_blocking=True)
-    return logits.index_put((index[0], index[1]), amounts, accumulate=True)
+    index = upload([rows, ids], logits.device)
+    return logits.index_put((index[0], index[1]), upload(amounts, logits.device, torch.float32), accumulate=True)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], table: torch.Tensor) -> torch.Tensor:
