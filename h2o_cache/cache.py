@@ -371,26 +371,38 @@ class H2OCache:
         self.advance(step.n_new, decode=step.decode)
 
     @torch.no_grad()
-    def advance(self, n_new: list[int], decode: bool = False) -> None:
+    def advance(self, n_new: list[int], decode: bool = False, evict: bool = True) -> None:
         """Count n_new[b] tokens just written into row b, then evict the rows now over the budget.
 
         Only those rows are touched, each exactly when it crosses the budget, so a row evolves the
         same whatever its batch. `end` calls this; the fast path (`StaticDecoder`) calls it directly.
         decode: the pass was a decode step whose queries are in `_queries`; with recall, every
         `recall_interval` of them the rows fed are due to choose their windows by them.
+        evict: False leaves the rows over the budget to `evict_over_budget` (the fast path evicts
+        after sampling, so that the sampled tokens do not wait for the eviction).
         """
         self.lengths = [n + m for n, m in zip(self.lengths, n_new)]
         self.seen = [n + m for n, m in zip(self.seen, n_new)]
-        if self.policy.evicts:
-            budget = self.config.budget
-            over = [row for row, n in enumerate(self.lengths) if n > budget + self.recalled[row]]
-            if over:
-                compaction.evict(self, over)
+        if evict:
+            self.evict_over_budget()
         if decode and self.config.recalls:
             self.decode_passes += 1
             if self.decode_passes % self.config.recall_interval == 0:
                 for row, n in enumerate(n_new):
                     self.due[row] = self.due[row] or n > 0
+
+    def over_budget(self) -> list[int]:
+        """Rows holding more than their budget (plus their recall window)."""
+        if not self.policy.evicts:
+            return []
+        budget = self.config.budget
+        return [row for row, n in enumerate(self.lengths) if n > budget + self.recalled[row]]
+
+    def evict_over_budget(self) -> None:
+        """Evict the rows over their budget down to the target."""
+        over = self.over_budget()
+        if over:
+            compaction.evict(self, over)
 
     def choose_due(self, rows: list[int] | None = None) -> None:
         """Before a decode pass: every row of `rows` (default all) whose choice is due widens its window
@@ -404,7 +416,7 @@ class H2OCache:
     def new_archive(self) -> Archive:
         spec, config = self.spec, self.config
         return Archive(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                       config.recall_block, config.recall_archive, pin=spec.device.type == "cuda")
+                       config.recall_block, config.recall_archive)
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""

@@ -12,8 +12,9 @@ than the fp32 weights, and the weights it uses are the same fp32 values. Where e
 blocks, the whole step is one C++ call (`quantized.NativeStep`), the same math without per-op costs,
 for buckets of any size.
 
-Eviction stays outside the step: `H2OCache.advance` evicts exactly the rows that crossed the
-budget, with the same ops as the transformers path, so both paths keep the same tokens.
+Eviction stays outside the step: `H2OCache.evict_over_budget` evicts exactly the rows that crossed
+the budget, with the same ops as the transformers path, so both paths keep the same tokens. A caller
+that samples (the server's runner) evicts after sampling, so the sampled tokens do not wait for it.
 
 With recall, the step also leaves every row's queries before RoPE in the cache's fixed buffer (a
 write, no read-back); every `recall_interval` steps they choose each row's recall window at the start
@@ -80,7 +81,7 @@ class StaticDecoder:
         self.cache = H2OCache(self.spec, config)
         # recalled tokens sit on top of the budget; the batch evicts every few steps: keep the scratch
         self.cache.reserve(max_rows, config.budget + config.recall_budget + 1, scratch=True)
-        self._storage = self.cache.buffers().keys.data_ptr()  # what the steps (and graphs) read
+        self._storage = self.cache.buffers().keys  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
         self.queries = self.cache._queries  # [L, max_rows, H_q, D] with recall: each row's last queries before RoPE
         self.steps = 0
@@ -91,18 +92,21 @@ class StaticDecoder:
                 self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries)
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
-        # tokens, slots and origins; with rolling a new token's RoPE position is its slot
-        self._inputs = torch.zeros(3, max_rows, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # A bucket's tokens, slots and origins ([3, bucket]; with rolling a new token's RoPE position is
+        # its slot) are the first 3 x bucket values: the upload is one contiguous copy for every bucket.
+        self._inputs = torch.zeros(3 * max_rows, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(3 * max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         if self.cuda_graphs:
             self._capture()
 
-    def step(self) -> torch.Tensor:
+    def step(self, evict: bool = True) -> torch.Tensor:
         """Feed every row its pending token; returns fp32 logits [B, V] (a view valid until the next step).
 
-        Rows that cross the budget are evicted before this returns, and with recall, every
+        Rows that cross the budget are evicted before this returns, or with evict=False by the caller
+        (`cache.evict_over_budget()`, after sampling) or else first thing in the next step. Nothing
+        that can raise runs after the rows are fed. With recall, every
         `recall_interval` steps, the step's queries choose the rows' recall windows at the start of the
         next one (a choice that raises does so before anything is fed); pending tokens
         are left for the caller to replace with the next sampled ones.
@@ -113,18 +117,18 @@ class StaticDecoder:
             raise ValueError(f"a step needs 1..{self.max_rows} rows, the cache has {rows}")
         if any(len(p) != 1 for p in cache.pending):
             raise ValueError("every row needs exactly one pending token to decode")
-        if cache.buffers().keys.data_ptr() != self._storage:
+        cache.evict_over_budget()  # rows a step with evict=False left over the budget
+        if cache.buffers().keys is not self._storage:
             raise RuntimeError("the batch cache was reallocated; its graphs would read freed memory")
         bucket = next(b for b in self.buckets if b >= rows)
         cache.choose_due()
-        staging = self._staging
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the last step's upload has left the staging buffer
-        staging[:, rows:bucket] = 0  # padding rows write slot 0 of rows nobody uses
-        staging[0, :rows] = torch.tensor([p[0] for p in cache.pending])
-        staging[1, :rows] = torch.tensor(cache.lengths)
-        staging[2, :rows] = torch.tensor(cache.seen)
-        self._inputs[:, :bucket].copy_(staging[:, :bucket], non_blocking=True)
+        # the last step's upload has left the staging buffer (long since: its tokens were downloaded)
+        if self._uploaded is not None and not self._uploaded.query():
+            self._uploaded.synchronize()
+        staged = self._staging[:3 * bucket]
+        staged.view(3, bucket)[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen])
+        staged.view(3, bucket)[:, rows:] = 0  # padding rows write slot 0 of rows nobody uses
+        self._inputs[:3 * bucket].copy_(staged, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
         if self.cuda_graphs:
@@ -132,12 +136,16 @@ class StaticDecoder:
             graph.replay()
         else:
             logits = self._run(bucket)
-        cache.advance([1] * rows, decode=True)
+        cache.advance([1] * rows, decode=True, evict=evict)
         self.steps += 1
         return logits[:rows]
 
+    def inputs(self, bucket: int) -> torch.Tensor:
+        """[3, bucket] int64 on the device: the tokens, slots and origins a step of `bucket` rows reads."""
+        return self._inputs[:3 * bucket].view(3, bucket)
+
     def _run(self, bucket: int) -> torch.Tensor:
-        tokens, slots, origins = self._inputs[:, :bucket]
+        tokens, slots, origins = self.inputs(bucket)
         if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
             return self.native(tokens, slots, origins)
         weights = self.weights

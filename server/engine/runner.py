@@ -21,7 +21,8 @@ class ModelRunner:
     The decode step takes the fast path (`StaticDecoder`: a fixed-shape step, CUDA graphs on a GPU,
     one C++ call over the GGUF file's quantized matrices on a CPU)
     unless `enforce_eager` is set or the cache cannot take it (`full` policy, no position rolling,
-    a model that is not plain Llama); then the transformers path runs it.
+    a model that is not plain Llama) or building it fails (a CUDA graph that cannot be captured, out
+    of memory): then the transformers path runs it.
 
     Only the engine thread calls it: the model and its caches are not thread-safe.
     """
@@ -40,6 +41,9 @@ class ModelRunner:
                 log.info("decoding on the fast path%s", how)
             except (ValueError, UnsupportedModelError) as reason:
                 log.info("decoding on the transformers path: %s", reason)
+            except Exception as error:  # a server that starts slower beats one that does not start
+                self.decoder = None
+                log.warning("the fast path failed to start (%r); decoding on the transformers path", error)
         self.batch: H2OCache = self.decoder.cache if self.decoder else generator.new_cache(0)
 
     @property
@@ -83,14 +87,28 @@ class ModelRunner:
 
     def decode(self, running: list[Sequence]) -> list[Sample | Exception]:
         """One step feeding every row of the batch its pending token. Returns per row its next token,
-        or the error that row raised."""
+        or the error that row raised.
+
+        On the fast path the rows over the budget are evicted after sampling: the sampled tokens'
+        download does not wait for the eviction, which runs while the batcher streams them. A step
+        that raises has fed nothing (`StaticDecoder.step`), so the transformers path retries it; an
+        eviction that raises fails the rows it was evicting.
+        """
         if self.decoder is not None:
             try:
-                logits = self.decoder.step()
+                logits = self.decoder.step(evict=False)
             except Exception:
                 log.exception("fast decode step failed; retrying it on the transformers path")
             else:
-                return sample(constrain(logits, [seq.matcher for seq in running]), [seq.sampler for seq in running])
+                drawn: list[Sample | Exception] = list(
+                    sample(constrain(logits, [seq.matcher for seq in running]), [seq.sampler for seq in running]))
+                try:
+                    self.batch.evict_over_budget()
+                except Exception as error:
+                    log.exception("eviction failed after a fast decode step")
+                    for row in self.batch.over_budget():
+                        drawn[row] = error
+                return drawn
         pieces = [list(p) for p in self.batch.pending]
         return self._sample(self._guarded(lambda some: self.generator.step(self.batch, some), pieces), running)
 

@@ -1,11 +1,14 @@
 """The runner's two decode paths: the fast static step and --enforce-eager serve the same tokens."""
 
 import asyncio
+import logging
+from types import SimpleNamespace
 
 import pytest
 
-from h2o_cache import SamplingParams
+from h2o_cache import CacheConfig, Generator, Sampler, SamplingParams, StaticDecoder, compaction
 from server.engine import ChatRequest, GenerationFailed
+from server.engine.runner import ModelRunner
 from tests.engine.conftest import ask, collect, greedy, render
 
 PROMPTS = ["hello there", "what is a cache?", "x", "tell me a long story about heavy hitters", "abc abc abc"]
@@ -45,7 +48,7 @@ async def test_a_failed_fast_step_is_retried_so_only_the_failing_row_fails(make_
     bad = ask("a prompt whose row fails once it decodes", greedy(20))
     threshold = len(engine.tokenizer.encode(render(bad.messages, True)))
 
-    def failing_fast_step():
+    def failing_fast_step(evict=True):
         raise RuntimeError("injected failure of the fast step")
 
     step = engine.generator.step
@@ -63,3 +66,39 @@ async def test_a_failed_fast_step_is_retried_so_only_the_failing_row_fails(make_
     assert together.token_ids == alone.token_ids
     monkeypatch.undo()
     assert len((await collect(await engine.submit(ChatRequest(bad.messages, greedy(3))))).token_ids) == 3
+
+
+def test_a_fast_path_that_fails_to_start_falls_back_to_eager_with_a_warning(tiny_model, byte_tokenizer, monkeypatch,
+                                                                            caplog):
+    """Capturing CUDA graphs on a machine without CUDA fails as a capture failure (or out of memory)
+    would on a GPU: the server must still start."""
+    monkeypatch.setattr("server.engine.runner.StaticDecoder",
+                        lambda *args, **kwargs: StaticDecoder(*args, **kwargs, cuda_graphs=True))
+    generator = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=24, prefill_chunk=16))
+    with caplog.at_level(logging.WARNING, logger="server.engine.runner"):
+        runner = ModelRunner(generator, max_batch_size=4)
+    assert not runner.fast
+    assert any("transformers path" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_an_eviction_that_fails_after_a_fast_step_fails_its_rows_and_feeds_no_token_twice(
+        tiny_model, byte_tokenizer, monkeypatch):
+    config = CacheConfig(policy="h2o", budget=24, evict_slack=4, prefill_chunk=16)
+    generator = Generator(tiny_model, byte_tokenizer, config)
+    runner = ModelRunner(generator, max_batch_size=4)
+    assert runner.fast
+    for n in (24, 9, 17):  # the first row crosses the budget at the next step
+        row = generator.new_cache(1)
+        generator.prefill(row, [list(range(3, 3 + n))])
+        row.pending = [[5]]
+        runner.batch.extend(row)
+    seqs = [SimpleNamespace(matcher=None, sampler=Sampler(SamplingParams())) for _ in range(3)]
+    seen = list(runner.batch.seen)
+
+    def failing_evict(cache, rows):
+        raise RuntimeError("injected failure of an eviction")
+
+    monkeypatch.setattr(compaction, "evict", failing_evict)
+    results = runner.decode(seqs)
+    assert isinstance(results[0], RuntimeError) and all(not isinstance(r, Exception) for r in results[1:])
+    assert runner.batch.seen == [n + 1 for n in seen]  # each row was fed its pending token once
