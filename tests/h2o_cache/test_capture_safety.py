@@ -10,41 +10,15 @@ The window's choice itself runs between steps, on the host where the archive liv
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_cache import CacheConfig, Generator, StaticDecoder
 from tests.conftest import ByteTokenizer, tiny_llama
-
-aten = torch.ops.aten
-# Ops that copy a value to the host, or whose output shape depends on tensor values.
-FORBIDDEN = {
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default, aten.masked_select.default,
-    aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.equal.default,
-    aten.is_nonzero.default, aten.repeat_interleave.Tensor, aten.masked_scatter.default,
-}
-
-
-class NoHostReads(TorchDispatchMode):
-    """Records every op dispatched while active; `forbidden` lists those in FORBIDDEN, and every op that
-    indexes with a boolean mask (which needs a nonzero of the mask)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.forbidden = [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.ops.append(func)
-        boolean_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
-        if func in FORBIDDEN or boolean_index:
-            self.forbidden.append(func)
-        return func(*args, **kwargs)
+from tests.device_audit import HostReads
 
 
 def test_the_mode_catches_what_it_must():
     x = torch.arange(6.0)
-    with NoHostReads() as mode:
+    with HostReads() as mode:
         x.sum().item()
         x.nonzero()
         x[x > 2]
@@ -79,9 +53,9 @@ def test_every_bucket_of_the_step_runs_without_host_reads_or_data_dependent_shap
     cache = decoder.cache
     rows = min(bucket, cache.batch_size)
     decoder._inputs.zero_()
-    decoder._inputs[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen])[:, :rows]
+    decoder.inputs(bucket)[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen])[:, :rows]
     before = decoder.queries.clone()
-    with NoHostReads() as mode:
+    with HostReads() as mode:
         logits = decoder._run(bucket)
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert logits.shape == (bucket, decoder.weights.embed.shape[0]) and torch.isfinite(logits).all()
@@ -117,7 +91,7 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
     lo, hi = archive._digests()
     keys = archive.state()["keys"].view(layers, heads, n // block, block, d)
     wanted = 2
-    with NoHostReads() as mode:
+    with HostReads() as mode:
         candidates = top_blocks(bound_mass(queries, lo, hi, 0.5), CANDIDATES * wanted)  # [L, H, 8]
         # the candidates' keys, gathered on the device (the archive's keys there)
         picked = keys.gather(2, candidates[..., None, None].expand(-1, -1, -1, block, d)).flatten(2, 3)

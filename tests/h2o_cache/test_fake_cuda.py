@@ -1,0 +1,150 @@
+"""The GPU path, run on a fake CUDA device in bf16 (`tests.device_audit.FakeCuda`): weight preparation,
+one CUDA graph per bucket, the fast step for every bucket, the batched sampler, eviction with the
+archive's store, a recall, and a prefill chunk, on a machine without CUDA, as CI runs it.
+
+It fails on any op that needs a device value on the host, any op mixing devices, and any dtype the
+eager path would not have; and it holds a decode step to one host sync (the sampled tokens'
+download) on quiet and evicting steps, at batch 1 and batch 64.
+"""
+
+import pytest
+import torch
+
+from h2o_cache import CacheConfig, Generator, Sampler, SamplingParams, StaticDecoder, sample
+from tests.conftest import ByteTokenizer, tiny_llama
+from tests.device_audit import FakeCuda
+
+# FakeTensorMode warns when code asks a fake tensor for its address (weights' storage sharing)
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+CUDA = torch.device("cuda", 0)
+
+
+def fake_cuda_model():
+    return tiny_llama(init_std=0.3).to(CUDA, torch.bfloat16)
+
+
+def test_the_audit_catches_what_it_must():
+    with FakeCuda() as audit:
+        x = torch.ones(4, device=CUDA)
+        with pytest.raises(Exception):
+            x.sum().item()
+        with pytest.raises(RuntimeError, match="implicit upload"):
+            x + torch.ones(4)
+        torch.tensor([1, 2], device=CUDA)  # a blocking upload
+        x.cpu()  # a blocking download
+        x.to("cpu", non_blocking=True)  # into pinned memory: no sync
+        pinned = torch.empty(4, pin_memory=True)
+        pinned.copy_(x, non_blocking=True)
+        torch.empty(4).copy_(x, non_blocking=True)  # to pageable memory: CUDA waits for it
+        x.to(torch.float64)
+        assert pinned.is_pinned() and not torch.empty(4).is_pinned()
+    assert audit.forbidden and audit.mixed
+    assert audit.syncs == 1 + 3 and audit.casts == [(torch.float32, torch.float64, 4)]
+
+
+def prefilled(gen: Generator, n: int, token: int):
+    row = gen.new_cache(1)
+    gen.prefill(row, [[(7 * i + n) % 120 + 3 for i in range(n)]])  # chunks of 8: the first of them a whole chunk
+    row.pending = [[token]]
+    return row
+
+
+SAMPLING = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+            SamplingParams(temperature=1.0, top_k=5, min_p=0.05, frequency_penalty=0.5, presence_penalty=0.3,
+                           logit_bias=((7, 2.0),), seed=2),
+            SamplingParams(repetition_penalty=1.3, logprobs=3)]
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_a_decode_step_syncs_once_on_quiet_and_evicting_steps(rows):
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=4, prefill_chunk=8)
+    with FakeCuda() as audit:
+        model = fake_cuda_model()
+        gen = Generator(model, ByteTokenizer(), config)
+        decoder = StaticDecoder(model, config, max_rows=64)
+        assert decoder.cuda_graphs and sorted(decoder._graphs) == [1, 2, 4, 8, 16, 32, 64]
+        assert decoder.weights.layers[0].qkv.dtype == torch.bfloat16 and decoder.weights.embed.is_cuda
+        firsts = [prefilled(gen, n, 5 + n) for n in (16, 9, 13, 11)]
+        for i in range(rows):
+            decoder.cache.extend(firsts[i % 4])
+        samplers = [Sampler(SAMPLING[i % 4], prompt=[3, 4, 5]) for i in range(rows)]
+        syncs, evicting = [], []
+        for _ in range(8):
+            before, copies = audit.syncs, len(audit.copies)
+            lengths = list(decoder.cache.lengths)
+            logits = decoder.step(evict=False)
+            drawn = sample(logits, samplers)  # as the runner does: sample, then evict
+            decoder.cache.pending = [[d.token] for d in drawn]
+            decoder.cache.evict_over_budget()
+            syncs.append(audit.syncs - before)
+            evicting.append(any(after < before for after, before in zip(decoder.cache.lengths, lengths)))
+            assert all(c.contiguous for c in audit.copies[copies:])
+            assert all(c.pinned and c.non_blocking for c in audit.copies[copies:] if c.upload)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, model.config.vocab_size)
+        assert [d.logprob is not None for d in drawn] == [i % 4 == 3 for i in range(rows)]
+    assert not audit.forbidden and not audit.mixed
+    assert syncs == [1] * 8, syncs
+    assert any(evicting) and not all(evicting)
+
+
+def test_every_bucket_computes_attention_without_an_fp32_copy_of_the_keys_and_in_the_eager_paths_dtypes():
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=4, prefill_chunk=8)
+    with FakeCuda() as audit:
+        model = fake_cuda_model()
+        gen = Generator(model, ByteTokenizer(), config)
+        decoder = StaticDecoder(model, config, max_rows=8)
+        eager = gen.new_cache(0)
+        for n in (16, 9, 13):
+            row = prefilled(gen, n, 5)
+            decoder.cache.extend(row)
+            eager.extend(row)
+        expected = gen.step(eager, eager.pending)  # the transformers path
+        _, _, heads, capacity, dim = decoder.cache.buffers().keys.shape
+        for bucket in decoder.buckets:
+            casts = len(audit.casts)
+            logits = decoder._run(bucket)
+            assert logits.dtype == expected.dtype and logits.device == expected.device
+            # a copy of the bucket's keys for one layer, or larger
+            wide = [c for c in audit.casts[casts:] if c[1] == torch.float32 and c[2] >= bucket * heads * capacity * dim]
+            assert not wide, wide
+        fast = decoder.step()
+    assert not audit.forbidden and not audit.mixed
+    assert fast.dtype == expected.dtype
+    for name, buffer in vars(decoder.cache.buffers()).items():
+        theirs = getattr(eager.buffers(), name)
+        assert (buffer is None) == (theirs is None), name
+        assert buffer is None or (buffer.dtype, buffer.device) == (theirs.dtype, theirs.device), name
+
+
+def test_eviction_stores_to_the_archive_in_one_pinned_asynchronous_copy_and_a_recall_runs():
+    """A step that evicts into the archive still syncs once: what it drops goes to pinned host memory
+    in one contiguous asynchronous copy, landing in the archive when next read. A recall (the
+    window's choice, on the host where the archive lives) runs without host reads on the device."""
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4,
+                         recall_archive=256, recall_interval=1000)
+    with FakeCuda() as audit:
+        model = fake_cuda_model()
+        gen = Generator(model, ByteTokenizer(), config)
+        decoder = StaticDecoder(model, config, max_rows=4)
+        for n in (30, 10, 23):
+            decoder.cache.extend(prefilled(gen, n, 5))
+        samplers = [Sampler(SamplingParams()) for _ in range(3)]
+        archived = decoder.cache.archived_tokens()
+        for _ in range(8):
+            before, copies = audit.syncs, len(audit.copies)
+            drawn = sample(decoder.step(evict=False), samplers)
+            decoder.cache.pending = [[d.token] for d in drawn]
+            decoder.cache.evict_over_budget()
+            assert audit.syncs - before == 1
+            downloads = [c for c in audit.copies[copies:] if not c.upload]
+            assert len(downloads) in (1, 2) and all(c.contiguous for c in downloads)
+            assert all(c.pinned and c.non_blocking for c in downloads[1:])  # the eviction's
+        assert decoder.cache.archived_tokens() > archived
+        archive = decoder.cache.archives[0]
+        assert archive.state()["keys"].dtype == torch.bfloat16 and not archive._incoming  # landed on read
+        assert not archive._data["keys"].is_pinned()  # ordinary memory: PyTorch's pinned cache never shrinks
+        decoder.cache.due = [True] * 3
+        decoder.cache.choose_due()
+        logits = decoder.step()
+    assert not audit.forbidden and not audit.mixed
+    assert logits.dtype == torch.float32
