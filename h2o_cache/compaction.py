@@ -26,11 +26,13 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     re-rotated to their new slots when rolling. With recall, the others go to the row's archive."""
     spec, config = cache.spec, cache.config
     device = spec.device
-    keep = [config.target + cache.recalled[row] for row in rows]
+    own = config.target  # a property: read once, not per row
+    keep = [own + cache.recalled[row] for row in rows]
     target = max(keep)
-    longest = max(cache.lengths[row] for row in rows)
+    held = [cache.lengths[row] for row in rows]
+    longest = max(held)
     first = rows[0]
-    row_ids, lengths, kept = upload([rows, [cache.lengths[row] for row in rows], keep], device)
+    row_ids, lengths, kept = upload([rows, held, keep], device)
     if rows == list(range(first, first + len(rows))):  # the usual case: plain slices, no copies
         picked = slice(first, first + len(rows))
     else:

@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from h2o_cache.transfer import upload
@@ -68,36 +69,40 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, prompt: Iterable[int] = ()):
         self.params = params
-        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.seed = (params.seed if params.seed is not None else secrets.randbits(63)) & _MASK64
         self.draws = 0
         self.penalized = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1)
         self.prompt: set[int] = set(prompt) if params.repetition_penalty != 1 else set()
         self.history: torch.Tensor | None = None
+        p = params
+        self.fields = (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+                       p.repetition_penalty, -1 if p.logprobs is None else p.logprobs, 0.0)  # its row of the table
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits: [V] fp32 for this sequence's next token."""
         return sample(logits[None], [self])[0]
 
-    def uniform(self) -> float:
-        """The next number in [0, 1) of this sequence's stream (splitmix64 of seed and counter)."""
-        self.draws += 1
-        z = (self.seed + self.draws * 0x9E3779B97F4A7C15) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
-
-    def _history(self, vocab: int, device: torch.device) -> torch.Tensor:
-        if self.history is None:
-            self.history = torch.zeros(2, vocab, dtype=torch.int32, device=device)
-            if self.prompt:
-                ids = upload(sorted(self.prompt), device)
-                self.history[1].index_fill_(0, ids, 1)
-        return self.history
+    def _allocate_history(self, vocab: int, device: torch.device) -> None:
+        self.history = torch.zeros(2, vocab, dtype=torch.int32, device=device)
+        if self.prompt:
+            self.history[1].index_fill_(0, upload(sorted(self.prompt), device), 1)
 
 
 _MASK64 = (1 << 64) - 1
-# Columns of the per-row table a step uploads once: what every row's sampling fields need on the device.
-_TEMPERATURE, _TOP_P, _TOP_K, _UNIFORM, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(8)
+# Columns of the table of per-row fields a step uploads once (`Sampler.fields`, the row's uniform last).
+_TEMPERATURE, _TOP_P, _TOP_K, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _LOGPROBS, _UNIFORM = range(9)
+
+
+def uniforms(samplers: list[Sampler]) -> np.ndarray:
+    """Each sampler's next number in [0, 1) of its own stream, splitmix64 of (seed, draws so far),
+    for all of them at once (uint64 arithmetic wraps as the hash wants)."""
+    for s in samplers:
+        s.draws += 1
+    z = np.array([s.seed for s in samplers], dtype=np.uint64) + \
+        np.array([s.draws for s in samplers], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 @torch.no_grad()
@@ -106,49 +111,51 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> list[Sample]:
 
     logits: [B, V] (any float dtype, any device); row b follows samplers[b]. Penalties apply to the
     logits before everything else; logprobs are of the penalized logits, before temperature.
-    The host work is one pass over the rows (their fields, and a uniform each when any row samples);
-    the rows' token histories stay on the device.
+    The host's work per row is reading its fields, drawing its uniform and making its `Sample`;
+    which features the batch needs is read off the table of fields, and the rows' token histories
+    stay on the device.
     """
     logits = logits.float()
     device, vocab = logits.device, logits.shape[-1]
-    params = [s.params for s in samplers]
-    drawing = any(p.temperature > 0 for p in params)
-    table = upload(
-        [[p.temperature, p.top_p, min(p.top_k or vocab, vocab), s.uniform() if drawing else 0.0, p.min_p,
-          p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p, s in zip(params, samplers)],
-        device, torch.float64,
-    )  # [B, 8]
+    host = torch.tensor([s.fields for s in samplers], dtype=torch.float64)  # [B, 9]
+    drawing = bool(host[:, _TEMPERATURE].gt(0).any())
+    if drawing:  # every row draws, so that a row's stream does not depend on its batch
+        host[:, _UNIFORM] = torch.from_numpy(uniforms(samplers))
+    table = upload(host, device, torch.float64)
     penalized = [s for s in samplers if s.penalized]
     history = None
     if penalized:
+        for s in penalized:
+            if s.history is None:
+                s._allocate_history(vocab, device)
         blank = torch.zeros(2, vocab, dtype=torch.int32, device=device)
-        history = torch.stack([s._history(vocab, device) if s.penalized else blank for s in samplers])  # [B, 2, V]
+        history = torch.stack([s.history if s.penalized else blank for s in samplers])  # [B, 2, V]
         logits = _penalized(logits, history, table)
     logits = _biased(logits, samplers)
     tokens = logits.argmax(dim=-1)
     if drawing:
-        tokens = torch.where(table[:, _TEMPERATURE] > 0, _draw(logits, params, table), tokens)
+        tokens = torch.where(table[:, _TEMPERATURE] > 0, _draw(logits, host, table), tokens)
     if history is not None:
         generated = history[:, 0]
         generated.scatter_add_(1, tokens[:, None], torch.ones_like(generated[:, :1]))
         torch._foreach_copy_([s.history for s in penalized],
                              [row for row, s in zip(history.unbind(0), samplers) if s.penalized])
-    if all(p.logprobs is None for p in params):
+    k = min(int(host[:, _LOGPROBS].max()), vocab)
+    if k < 0:  # no row asked for logprobs
         return [Sample(t) for t in tokens.cpu().tolist()]
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])
-    k = min(max(p.logprobs or 0 for p in params), vocab)
     top_values, top_ids = logprobs.topk(k, dim=-1)
     # one download: token ids (exact in float64), the chosen logprob, the top ids and their logprobs
     packed = torch.cat([tokens[:, None].double(), chosen.double(), top_ids.double(), top_values.double()], dim=1)
     out = []
-    for p, row in zip(params, packed.cpu().tolist()):
-        token = int(row[0])
-        if p.logprobs is None:
+    for s, row in zip(samplers, packed.cpu().tolist()):
+        token, wanted = int(row[0]), s.params.logprobs
+        if wanted is None:
             out.append(Sample(token))
         else:
-            top = [(int(i), v) for i, v in zip(row[2:2 + k], row[2 + k:])]
-            out.append(Sample(token, row[1], top[:p.logprobs]))
+            top = [(int(i), v) for i, v in zip(row[2:2 + wanted], row[2 + k:2 + k + wanted])]
+            out.append(Sample(token, row[1], top))
     return out
 
 
@@ -178,19 +185,23 @@ def _biased(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), upload(amounts, logits.device, torch.float32), accumulate=True)
 
 
-def _draw(logits: torch.Tensor, params: list[SamplingParams], table: torch.Tensor) -> torch.Tensor:
-    """Sample [B] token ids by inverse CDF with each row's own uniform; top-k then top-p as before."""
+def _draw(logits: torch.Tensor, host: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Sample [B] token ids by inverse CDF with each row's own uniform; top-k then top-p as before.
+    host, table: the step's fields on the host (which features any row uses) and on the device."""
+    vocab = logits.shape[-1]
     temperature = table[:, _TEMPERATURE:_TEMPERATURE + 1].float()
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)  # greedy rows: drawn but not taken
-    if any(p.min_p > 0 for p in params):
+    if host[:, _MIN_P].gt(0).any():
         # log p(token) < log(min_p) + log p(best)  <=>  scaled < log(min_p) + max(scaled)
         floor = table[:, _MIN_P:_MIN_P + 1].float().log() + scaled.max(dim=-1, keepdim=True).values
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-    if any(p.top_k or p.top_p < 1 for p in params):
+    top_p_on = host[:, _TOP_P].lt(1).any()
+    if top_p_on or host[:, _TOP_K].gt(0).any():
         ranked, order = scaled.sort(dim=-1, descending=True)
-        kth = ranked.gather(1, table[:, _TOP_K:_TOP_K + 1].long() - 1)
+        top_k = table[:, _TOP_K:_TOP_K + 1].long()
+        kth = ranked.gather(1, torch.where(top_k > 0, top_k, vocab).clamp_(max=vocab) - 1)  # top_k 0: all
         ranked = ranked.masked_fill(ranked < kth, float("-inf"))
-        if any(p.top_p < 1 for p in params):
+        if top_p_on:
             probs = ranked.softmax(dim=-1)
             # Drop a token once the mass before it already reaches top_p; the best token always stays.
             top_p = table[:, _TOP_P:_TOP_P + 1].float()

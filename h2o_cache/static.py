@@ -115,8 +115,10 @@ class StaticDecoder:
         rows = cache.batch_size
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"a step needs 1..{self.max_rows} rows, the cache has {rows}")
-        if any(len(p) != 1 for p in cache.pending):
-            raise ValueError("every row needs exactly one pending token to decode")
+        try:
+            tokens = [token for token, in cache.pending]
+        except ValueError:
+            raise ValueError("every row needs exactly one pending token to decode") from None
         cache.evict_over_budget()  # rows a step with evict=False left over the budget
         if cache.buffers().keys is not self._storage:
             raise RuntimeError("the batch cache was reallocated; its graphs would read freed memory")
@@ -126,7 +128,7 @@ class StaticDecoder:
         if self._uploaded is not None and not self._uploaded.query():
             self._uploaded.synchronize()
         staged = self._staging[:3 * bucket]
-        staged.view(3, bucket)[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen])
+        staged.view(3, bucket)[:, :rows] = torch.tensor([tokens, cache.lengths, cache.seen])
         staged.view(3, bucket)[:, rows:] = 0  # padding rows write slot 0 of rows nobody uses
         self._inputs[:3 * bucket].copy_(staged, non_blocking=True)
         if self._uploaded is not None:

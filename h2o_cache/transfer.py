@@ -11,9 +11,9 @@ import torch
 
 
 def upload(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Host numbers (a nested list) -> a tensor on `device` in one copy, asynchronous from pinned
-    memory on a GPU (PyTorch's pinned cache keeps the block until the copy is done)."""
-    host = torch.tensor(values, dtype=dtype)
+    """Host numbers (a nested list or a host tensor) -> a tensor on `device` in one copy, asynchronous
+    from pinned memory on a GPU (PyTorch's pinned cache keeps the block until the copy is done)."""
+    host = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

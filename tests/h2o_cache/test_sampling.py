@@ -110,9 +110,11 @@ def test_penalties_from_device_histories_equal_the_host_rule_bit_for_bit():
     for _ in range(30):
         logits = torch.randn(rows, vocab, generator=generator) * 3
         expected = old_penalized(logits, params, [s.prompt for s in samplers], counts)
-        table = torch.tensor([[0, 0, 0, 0, 0, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
-                              for p in params], dtype=torch.float64)
-        history = torch.stack([s._history(vocab, logits.device) for s in samplers])
+        table = torch.tensor([s.fields for s in samplers], dtype=torch.float64)
+        for s in samplers:
+            if s.history is None:
+                s._allocate_history(vocab, logits.device)
+        history = torch.stack([s.history for s in samplers])
         assert torch.equal(_penalized(logits, history, table), expected)
         for count, drawn in zip(counts, sample(logits, samplers)):
             count[drawn.token] = count.get(drawn.token, 0) + 1
@@ -132,3 +134,21 @@ def test_a_cdf_that_is_not_monotonic_never_yields_a_filtered_token():
     tokens = inverse_cdf(probs, cdf, uniform)
     assert probs.gather(1, tokens[:, None]).gt(0).all(), tokens
     assert tokens.tolist() == [0, 0, 2]
+
+
+def splitmix64(seed: int, draw: int) -> float:
+    mask = (1 << 64) - 1
+    z = (seed + draw * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+def test_every_row_draws_the_next_number_of_its_own_splitmix64_stream_whatever_its_batch():
+    from h2o_cache.sampling import uniforms
+
+    seeds = [0, 42, -7, 2**63 - 1, 2**70 + 5]
+    samplers = [Sampler(SamplingParams(temperature=1.0, seed=seed)) for seed in seeds]
+    for draw in range(1, 4):
+        assert uniforms(samplers).tolist() == [splitmix64(seed, draw) for seed in seeds]
+    assert uniforms(samplers[1:2]).tolist() == [splitmix64(42, 4)]
