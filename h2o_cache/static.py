@@ -105,8 +105,9 @@ class StaticDecoder:
         """Feed every row its pending token; returns fp32 logits [B, V] (a view valid until the next step).
 
         Rows that cross the budget are evicted before this returns, or with evict=False by the caller
-        (`cache.evict_over_budget()`, after sampling) or else first thing in the next step. Nothing
-        that can raise runs after the rows are fed. With recall, every
+        (`cache.evict_over_budget()`, after sampling) or else first thing in the next step; then
+        nothing that can raise runs after the rows are fed, so a failed step can be retried on the
+        transformers path without feeding a token twice. With recall, every
         `recall_interval` steps, the step's queries choose the rows' recall windows at the start of the
         next one (a choice that raises does so before anything is fed); pending tokens
         are left for the caller to replace with the next sampled ones.

@@ -43,7 +43,8 @@ class ModelRunner:
                 log.info("decoding on the transformers path: %s", reason)
             except Exception as error:  # a server that starts slower beats one that does not start
                 self.decoder = None
-                log.warning("the fast path failed to start (%r); decoding on the transformers path", error)
+                log.warning("the fast path failed to start (%r); decoding on the transformers path", error,
+                            exc_info=True)
         self.batch: H2OCache = self.decoder.cache if self.decoder else generator.new_cache(0)
 
     @property
