@@ -29,12 +29,15 @@ from __future__ import annotations
 import torch
 
 from h2o_cache.eviction import take_vectors
-from h2o_cache.selection import bound_mass, exact_mass, top_blocks
+from h2o_cache.selection import block_mass, bound_mass, pool_by_position, token_mass, top_blocks
 
 _FIELDS = ("keys", "values", "scores", "origins")
 # Candidate blocks per chosen block that the exact logits rank (second stage of `select`): the bound
 # alone lets blocks of large, noisy keys crowd out the one a query attends to.
 CANDIDATES = 4
+# Size of the position table the heads pool their votes in (`pool_by_position`): fixed, so that the
+# ranking's shapes never depend on the conversation's length.
+POSITIONS = 1 << 16
 
 
 class Archive:
@@ -179,7 +182,9 @@ class Archive:
         each KV head (its query group times the tokens of a chunk), any device.
         Per layer and head (`h2o_cache.selection`): the CANDIDATES x `blocks` blocks whose digests'
         bound draws the most attention mass are candidates; the exact logits of the queries against
-        the candidates' keys choose the `blocks` that draw the most.
+        the candidates' keys give each key its attention mass, pooled by original position over all
+        the layers and heads of `layers`, and each head takes the `blocks` candidates whose tokens'
+        positions drew the most.
         Returns [L', H_kv, blocks] int64 block indices, ascending; blocks <= full_blocks.
         """
         lo, hi = self._digests()
@@ -188,8 +193,10 @@ class Archive:
         mass = bound_mass(q, lo[layers].to(device), hi[layers].to(device), scaling).cpu()  # [L', H_kv, full blocks]
         candidates = top_blocks(mass, min(CANDIDATES * blocks, mass.shape[-1]))
         if candidates.shape[-1] > blocks:
-            keys = self.gather(candidates, layers, ("keys",))[0].to(device).float()  # [L', H_kv, wanted * block, D]
-            candidates = top_blocks(exact_mass(q, keys, scaling, self.block).cpu(), blocks, candidates)
+            keys, origins = self.gather(candidates, layers, ("keys", "origins"))  # [L', H_kv, wanted * block, ...]
+            mass = token_mass(q, keys.to(device).float(), scaling)
+            mass = pool_by_position(mass, origins.to(device), POSITIONS)
+            candidates = top_blocks(block_mass(mass, self.block).cpu(), blocks, candidates)
         return candidates.sort(dim=-1).values
 
     @torch.no_grad()

@@ -3,8 +3,10 @@
 Two stages, as Quest (arXiv 2406.10774) and ArkVale rank pages: each block's digest (the channel-wise
 min and max of its keys) bounds q.k for every key of the block, so softmaxing the bounds over the
 blocks gives the attention mass a block may draw (`bound_mass`); the exact logits of the queries
-against the keys of the best candidates then choose among them (`exact_mass`), since a block of
-large keys pointing every way has a loose bound though none of its keys matches the query.
+against the keys of the best candidates then choose among them (`token_mass`), since a block of
+large keys pointing every way has a loose bound though none of its keys matches the query. The
+exact mass is pooled by original position over every layer and head that chose together
+(`pool_by_position`), as the keys of one token sit in different blocks of different heads.
 
 No function here reads a value back to the host or returns a shape that depends on tensor values
 (`tests/h2o_cache/test_capture_safety.py` holds them to it), so on a GPU the ranking can run on the
@@ -24,12 +26,30 @@ def bound_mass(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scalin
     return (bound * scaling).softmax(dim=-1).sum(dim=2)
 
 
-def exact_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float, block: int) -> torch.Tensor:
-    """queries [L, H, Q, D] fp32; keys [L, H, M * block, D] fp32, the keys of M candidate blocks, block
-    by block. Returns [L, H, M] fp32: per query the softmax over all candidate keys of q.k * scaling,
-    summed over the block's keys and over the queries."""
-    probs = (torch.matmul(queries, keys.transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2)
-    return probs.view(*probs.shape[:2], -1, block).sum(dim=-1)
+def token_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """queries [L, H, Q, D] fp32; keys [L, H, K, D] fp32, the keys of the candidate blocks. Returns
+    [L, H, K] fp32: per query the softmax over the candidate keys of q.k * scaling, summed over the
+    queries (the attention mass each key would draw)."""
+    return (torch.matmul(queries, keys.transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2)
+
+
+def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int) -> torch.Tensor:
+    """mass [L, H, K] fp32 per candidate key; origins [L, H, K] int64, the keys' original positions.
+    Returns [L, H, K]: per key, the mass that every layer and head gave to its position, summed.
+
+    Heads choose alone poorly: in a 30-turn chat each head's own ranking put the pass key in its
+    top 16 blocks in 64% of the heads, and the key was found 0 times in 10; pooled, the heads that
+    point at the fact bring it to the rest. Origins are taken modulo `positions`, a fixed size so
+    that the shape never depends on the conversation's length (positions `positions` apart share a
+    vote)."""
+    slot = origins.remainder(positions)
+    votes = torch.zeros(positions, dtype=mass.dtype, device=mass.device).index_add_(0, slot.flatten(), mass.flatten())
+    return votes[slot]
+
+
+def block_mass(mass: torch.Tensor, block: int) -> torch.Tensor:
+    """[L, H, M * block] per key, block by block -> [L, H, M] per block (summed)."""
+    return mass.view(*mass.shape[:2], -1, block).sum(dim=-1)
 
 
 def top_blocks(mass: torch.Tensor, k: int, among: torch.Tensor | None = None) -> torch.Tensor:

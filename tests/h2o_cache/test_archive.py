@@ -1,5 +1,5 @@
 """`Archive` on its own: what goes in comes out exactly and stays, blocks are chosen per layer and KV
-head by the queries of that head (Quest bound, then exact logits), and blocks keep their meaning until
+head (Quest bound, then exact logits, pooled by position over the heads that choose together), and blocks keep their meaning until
 `epoch` says otherwise."""
 
 import pytest
@@ -46,9 +46,11 @@ def test_append_in_uneven_pieces_then_state_holds_everything_in_order():
 
 
 @pytest.mark.parametrize("group", [1, 6])
-def test_each_head_selects_the_block_holding_the_key_its_own_query_matches(group):
-    """Two needles in every head, in different blocks; each layer and head is asked for one of them
-    (its own choice) and picks the block holding that one, whatever the others ask."""
+def test_heads_pool_their_votes_by_position_over_the_layers_that_choose_together(group):
+    """Two needles in every head, in different blocks; four heads of six ask for the second, two for
+    the first. Chosen together, every head takes the second's block: the heads that point at a
+    position bring it to the rest. One layer at a time (as a prefill chunk chooses), a layer's heads
+    pool alone; asked for two blocks, every head holds both."""
     a = archive(block=4, limit=256)
     keys, values, scores, origins = tokens(64, 0)
     keys = keys * 0.1
@@ -56,26 +58,36 @@ def test_each_head_selects_the_block_holding_the_key_its_own_query_matches(group
     keys[:, :, 13] = first * 4  # block 3
     keys[:, :, 45] = second * 4  # block 11
     a.append(keys, values, scores, origins)
-    asks_second = torch.tensor([[True, False, True], [False, False, True]])  # [L, H]
+    asks_second = torch.tensor([[True, False, False], [True, True, True]])  # [L, H]
     queries = torch.where(asks_second[..., None], second, first)[:, :, None].expand(L, H, group, D)
     chosen = a.select(queries, scaling=2.0, blocks=1)
     assert chosen.shape == (L, H, 1)
-    assert torch.equal(chosen[..., 0], torch.where(asks_second, 11, 3))
-    # One layer at a time (as a pass asks), the same choice.
-    for layer in range(L):
-        assert torch.equal(a.select(queries[layer:layer + 1], 2.0, 1, slice(layer, layer + 1)), chosen[layer:layer + 1])
+    assert (chosen[..., 0] == 11).all()
+    assert (a.select(queries[:1], 2.0, 1, slice(0, 1))[..., 0] == 3).all()  # layer 0 alone: 1 of 3 asks the second
+    assert (a.select(queries[1:], 2.0, 1, slice(1, 2))[..., 0] == 11).all()
+    assert torch.equal(a.select(queries, 2.0, 2), torch.tensor([3, 11]).expand(L, H, 2))
 
 
-def test_each_head_selects_in_its_own_archive_the_block_where_its_needle_sits():
-    """Heads evict different tokens: the same query finds, in each head, the block that head holds it in."""
+def test_each_head_finds_a_position_in_the_block_where_its_own_archive_holds_it():
+    """Heads evict different tokens, so one position sits in different blocks of different heads; the
+    queries point at the needle's position, and each head takes the block of its own archive that
+    holds it."""
     a = archive(block=4, limit=256)
-    keys, values, scores, origins = tokens(64, 0)
+    keys, values, scores, _ = tokens(64, 0)
     keys = keys * 0.1
-    needle = unit(5)
-    where = torch.tensor([[2, 7, 15], [9, 0, 12]])  # [L, H] block of the needle
+    needle, at = unit(5), 100
+    gen = torch.Generator().manual_seed(4)
+    origins = torch.empty(L, H, 64, dtype=torch.int64)
+    where = torch.empty(L, H, dtype=torch.int64)
     for layer in range(L):
         for head in range(H):
-            keys[layer, head, int(where[layer, head]) * 4 + 1] = needle * 4
+            others = torch.randperm(199, generator=gen)[:63]
+            held = torch.cat([others + (others >= at).long(), torch.tensor([at])]).sort().values
+            origins[layer, head] = held
+            index = int((held == at).nonzero())
+            keys[layer, head, index] = needle * 4
+            where[layer, head] = index // 4
+    assert len(set(where.flatten().tolist())) > 1
     a.append(keys, values, scores, origins)
     chosen = a.select(needle.expand(L, H, 3, D), scaling=2.0, blocks=1)
     assert torch.equal(chosen[..., 0], where)

@@ -79,8 +79,8 @@ def test_steps_with_evictions_and_window_choices_never_reallocate_what_the_step_
 def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_archive_select_picks():
     """`h2o_cache.selection`, both stages and the candidates' bookkeeping, as a device would run them in
     a captured step: no host read, no data-dependent shape; the same blocks `Archive.select` returns."""
-    from h2o_cache.archive import CANDIDATES, Archive
-    from h2o_cache.selection import bound_mass, exact_mass, top_blocks
+    from h2o_cache.archive import CANDIDATES, POSITIONS, Archive
+    from h2o_cache.selection import block_mass, bound_mass, pool_by_position, token_mass, top_blocks
 
     layers, heads, d, block, n = 2, 3, 8, 4, 96
     generator = torch.Generator().manual_seed(0)
@@ -89,12 +89,16 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
                    None, torch.arange(n).expand(layers, heads, n))
     queries = torch.randn(layers, heads, 6, d, generator=generator)
     lo, hi = archive._digests()
-    keys = archive.state()["keys"].view(layers, heads, n // block, block, d)
+    state = archive.state()
+    keys = state["keys"].view(layers, heads, n // block, block, d)
+    origins = state["origins"].view(layers, heads, n // block, block)
     wanted = 2
     with HostReads() as mode:
         candidates = top_blocks(bound_mass(queries, lo, hi, 0.5), CANDIDATES * wanted)  # [L, H, 8]
         # the candidates' keys, gathered on the device (the archive's keys there)
         picked = keys.gather(2, candidates[..., None, None].expand(-1, -1, -1, block, d)).flatten(2, 3)
-        chosen = top_blocks(exact_mass(queries, picked, 0.5, block), wanted, candidates).sort(dim=-1).values
+        at = origins.gather(2, candidates[..., None].expand(-1, -1, -1, block)).flatten(2, 3)
+        mass = pool_by_position(token_mass(queries, picked, 0.5), at, POSITIONS)
+        chosen = top_blocks(block_mass(mass, block), wanted, candidates).sort(dim=-1).values
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert torch.equal(chosen, archive.select(queries, 0.5, wanted))

@@ -235,10 +235,12 @@ def needles_of(model) -> torch.Tensor:
 
 
 def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_window(peaked_model):
-    """Each layer and KV head is asked (by one query head of its group; the other asks nothing) for its
-    own needle, in its own block: its window takes that block, whatever the other heads ask."""
+    """Each KV head is asked (by one query head of its group; the other asks nothing) for its own
+    needle; a layer's needles sit at one position, each layer's at another. One layer choosing alone
+    takes its position's block; the layers choosing together pool their votes by position, and every
+    head's window (two blocks) takes both positions' blocks, with its own needle's key."""
     needles = needles_of(peaked_model)
-    where = torch.tensor([[1, 5], [3, 0]])
+    where = torch.tensor([[1, 1], [3, 3]])
     cache = crafted(peaked_model, needles, where)
     layers, heads, d = needles.shape
     newest = torch.tensor([8, 9]).expand(layers, heads, 2)
