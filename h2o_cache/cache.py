@@ -14,9 +14,10 @@ they are read, so the query of slot n sees its keys at distances 1..n, never mor
 With `recall_budget`, evicted tokens move to the row's `Archive` instead of being dropped, and the
 row's first slots are a window onto it (`h2o_cache.recall`). A prefill chunk (a pass that feeds some
 row more than one token) first fills each layer and KV head's window with the archived blocks its
-own queries point at; a decode pass (at most one token per row) keeps its queries, and every
-`recall_interval` decode passes they choose the window at the start of the row's next decode pass
-(`choose_due`), before anything of that pass is fed. The fast step (`StaticDecoder`) does the
+own queries point at, layer by layer. Every pass keeps each fed row's last queries; they choose the
+window again, pooled over all layers, at the start of each of the row's first `recall_burst` decode
+passes after a prefill and then of every `recall_interval`-th (`choose_due`), before anything of that
+pass is fed. The fast step (`StaticDecoder`) does the
 same, so both paths keep the same tokens, and a choice that fails fails before its pass: a retry
 never feeds a token twice.
 """
@@ -62,7 +63,7 @@ class _Step:
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
-    decode: bool = False  # at most one token per row: with recall, its queries are kept (`_queries`)
+    decode: bool = False  # at most one token per row
     fed: list[int] | None = None  # rows given tokens, with recall
 
 
@@ -84,11 +85,12 @@ class H2OCache:
                         (0 for the row's first token ever fed); moves with the slot on eviction
         _pinned:        [L, rows, H_kv, capacity] bool, the recall window's slots, never evicted
                         (with recall only; always False at slots >= the row's length)
-        _queries:       [L, rows, H_q, D] the row's last decode queries before RoPE (with recall only)
+        _queries:       [L, rows, H_q, D] the queries of the row's last fed token before RoPE (with recall only)
     Per row, with recall: `archives[b]`, the row's evicted tokens (None until its first eviction);
     `recalled[b]`, the size of its window (slots 0..recalled[b]-1 per layer/head), held on top of the
     budget; `windows[b]`, which archive blocks the window holds (None: unknown); `recall_count[b]`,
-    tokens (summed over layers and heads) copied into the window so far; `due[b]`, whether its
+    tokens (summed over layers and heads) copied into the window so far; `decoded[b]`, its decode
+    passes since its last prefill chunk; `due[b]`, whether its
     window is to be chosen by `_queries` before its next decode pass.
     """
 
@@ -105,7 +107,7 @@ class H2OCache:
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
         self.recall_count: list[int] = []
         self.due: list[bool] = []
-        self.decode_passes = 0  # counts to `recall_interval`
+        self.decoded: list[int] = []  # decode passes since the row's last prefill chunk (with recall)
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -131,6 +133,7 @@ class H2OCache:
         self.windows += [None] * n
         self.recall_count += [0] * n
         self.due += [False] * n
+        self.decoded += [0] * n
 
     def extend(self, other: H2OCache, move: bool = False) -> None:
         """Append the rows of `other` (same model and config) after this cache's rows.
@@ -154,6 +157,7 @@ class H2OCache:
         self.windows += [None if w is None else (w[0], w[1].clone()) for w in other.windows]
         self.recall_count += other.recall_count
         self.due += other.due
+        self.decoded += other.decoded
 
     def pop(self, row: int) -> H2OCache:
         """Remove one row and return it as a cache of its own; the last row takes its place."""
@@ -164,10 +168,10 @@ class H2OCache:
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
         single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
         single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
-        single.due = [self.due[row]]
+        single.due, single.decoded = [self.due[row]], [self.decoded[row]]
         last = self.batch_size - 1
         per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows,
-                   self.recall_count, self.due)
+                   self.recall_count, self.due, self.decoded)
         if row != last:
             self._copy_row(row, self, last, self.lengths[last])
             for rows in per_row:
@@ -329,10 +333,13 @@ class H2OCache:
         b, h_q, c, d = query.shape
         h_kv, k = keys.shape[1], keys.shape[2]
         if self.config.recalls:
-            if step.decode:  # rows given no token keep the queries they had
-                self._queries[layer_idx, step.fed] = self._plain(query)[step.fed, :, 0].to(self._queries.dtype)
-            elif any(self.recalled):
-                self._choose(layer_idx, query, scaling)
+            plain = self._plain(query)
+            # Each fed row keeps its last token's queries (rows given no token keep what they had):
+            # the next decode pass chooses by them, pooled over every layer.
+            last = torch.tensor([n - 1 for n in step.n_new if n], device=query.device)
+            self._queries[layer_idx, step.fed] = plain[step.fed, :, last].to(self._queries.dtype)
+            if not step.decode and any(self.recalled):
+                self._choose(layer_idx, plain, scaling)
         if not self.policy.needs_scores:
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
@@ -356,10 +363,9 @@ class H2OCache:
         cos, sin = self.spec.rope.get(step.kv_len)
         return unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
 
-    def _choose(self, layer: int, query: torch.Tensor, scaling: float) -> None:
+    def _choose(self, layer: int, plain: torch.Tensor, scaling: float) -> None:
         """Fill the recall window of `layer` in every row that has one with what this chunk's real queries
-        ([B, H_q, C, D], rotated to `positions`) point at."""
-        plain = self._plain(query)
+        ([B, H_q, C, D] before RoPE, fp32) point at."""
         for row, n in enumerate(self._step.n_new):
             if n and self.recalled[row]:
                 recall.choose(self, row, plain[row:row + 1, :, :n], scaling, slice(layer, layer + 1))
@@ -376,8 +382,9 @@ class H2OCache:
 
         Only those rows are touched, each exactly when it crosses the budget, so a row evolves the
         same whatever its batch. `end` calls this; the fast path (`StaticDecoder`) calls it directly.
-        decode: the pass was a decode step whose queries are in `_queries`; with recall, every
-        `recall_interval` of them the rows fed are due to choose their windows by them.
+        decode: the pass fed at most one token per row. With recall, the rows fed are due to choose
+        their windows by their last queries (`_queries`) after a prefill chunk, after each of the
+        first `recall_burst` - 1 decode passes that follow it, and after every `recall_interval`-th.
         evict: False leaves the rows over the budget to `evict_over_budget` (the fast path evicts
         after sampling, so that the sampled tokens do not wait for the eviction).
         """
@@ -385,11 +392,17 @@ class H2OCache:
         self.seen = [n + m for n, m in zip(self.seen, n_new)]
         if evict:
             self.evict_over_budget()
-        if decode and self.config.recalls:
-            self.decode_passes += 1
-            if self.decode_passes % self.config.recall_interval == 0:
-                for row, n in enumerate(n_new):
-                    self.due[row] = self.due[row] or n > 0
+        if self.config.recalls:
+            # A prefill chunk chose layer by layer, each layer's heads pooling alone: the row's next
+            # decode pass chooses again by the last token's queries, pooled over all layers. A reply's
+            # first `recall_burst` passes all choose (the answer to a question about the prompt starts
+            # there), then every `recall_interval`-th.
+            burst, interval = self.config.recall_burst, self.config.recall_interval
+            for row, n in enumerate(n_new):
+                if n:
+                    self.decoded[row] = self.decoded[row] + 1 if decode else 0
+                    k = self.decoded[row]
+                    self.due[row] = self.due[row] or k < burst or k % interval == 0
 
     def over_budget(self) -> list[int]:
         """Rows holding more than their budget (plus their recall window)."""

@@ -87,7 +87,7 @@ class ServerSettings(BaseSettings):
     recall_budget: int | None = Field(
         None, ge=0, le=1_000_000, description="slots per layer/KV head of each conversation's recall window: copies of "
                                               "the archived (evicted) blocks its latest queries point at, chosen by "
-                                              "every prefill chunk and every --recall-interval decode steps, held on "
+                                              "every prefill chunk and decode steps (--recall-burst, --recall-interval), held on "
                                               "top of --kv-budget; a multiple of --recall-block; 0: evicted tokens are "
                                               "dropped; unset: 128 with an evicting policy and position rolling, else 0")
     recall_block: int = Field(8, ge=1, le=4096, description="tokens per archived block, the unit of recall")
@@ -97,9 +97,13 @@ class ServerSettings(BaseSettings):
     recall_probe: int = Field(
         64, ge=1, le=65536, description="last tokens of a turn's prompt, fed as chunks of their own so that their "
                                         "queries (the question) alone choose the recall window the reply starts with")
+    recall_burst: int = Field(
+        16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
+                                        "by their queries (where an answer about the prompt starts)")
     recall_interval: int = Field(
-        1, ge=1, le=4096, description="decode steps between two choices of each conversation's recall window by "
-                                      "its latest queries (every prefill chunk chooses with its own)")
+        16, ge=1, le=4096, description="decode steps between two choices of each conversation's recall window by "
+                                       "its latest queries after --recall-burst (every prefill chunk chooses with "
+                                       "its own)")
     max_archive_bytes: int = Field(
         8 << 30, ge=0, le=1 << 50, description="most host memory the archives of idle conversations take in all; "
                                                 "beyond, the least recently used lose theirs (they go on without "
@@ -152,7 +156,7 @@ class ServerSettings(BaseSettings):
                            position_rolling=self.position_rolling, prefill_chunk=self.prefill_chunk,
                            recall_budget=self.recall, recall_block=self.recall_block,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
-                           recall_interval=self.recall_interval)
+                           recall_burst=self.recall_burst, recall_interval=self.recall_interval)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

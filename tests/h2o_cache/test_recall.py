@@ -25,7 +25,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 def recall_config(**overrides) -> CacheConfig:
     settings = dict(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8,
-                    recall_budget=16, recall_block=4, recall_probe=6, recall_archive=256)
+                    recall_budget=16, recall_block=4, recall_probe=6, recall_archive=256, recall_interval=1)
     return CacheConfig(**{**settings, **overrides})
 
 
@@ -363,9 +363,13 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
     assert changes > 0  # the steps' queries did move the windows
 
 
-@pytest.mark.parametrize("interval", [1, 3])
-def test_the_fast_path_chooses_every_recall_interval_steps_at_the_start_of_the_next(peaked_model, monkeypatch, interval):
-    config = recall_config(recall_interval=interval)
+@pytest.mark.parametrize("burst, interval", [(0, 1), (0, 3), (4, 5)])
+def test_the_fast_path_chooses_after_a_prefill_through_the_burst_and_every_interval_steps(peaked_model, monkeypatch,
+                                                                                          burst, interval):
+    """A row's k-th decode step after its prefill starts with a choice when k < burst or k is a
+    multiple of the interval (k = 0: the prefill's last queries, pooled over all layers)."""
+    config = recall_config(recall_burst=burst, recall_interval=interval)
+    chooses = lambda k: k < burst or k % interval == 0  # noqa: E731
     gen = Generator(peaked_model, ByteTokenizer(), config)
     decoder = StaticDecoder(peaked_model, config, max_rows=2)
     recalling_rows(gen, (40, 41), [decoder])
@@ -376,14 +380,14 @@ def test_the_fast_path_chooses_every_recall_interval_steps_at_the_start_of_the_n
         counts, windows = list(decoder.cache.recall_count), [w[1].clone() for w in decoder.cache.windows]
         keys = decoder.cache.buffers().keys[:, :2, :, :16].clone()
         logits = decoder.step()
-        assert decoder.cache.due == [step % interval == 0] * 2
-        if (step - 1) % interval or step == 1:  # no choice was due before this step
+        assert decoder.cache.due == [chooses(step)] * 2 and decoder.cache.decoded == [step] * 2
+        if not chooses(step - 1):  # no choice was due before this step
             assert decoder.cache.recall_count == counts
             assert all(torch.equal(w[1], before) for w, before in zip(decoder.cache.windows, windows))
             assert torch.equal(decoder.cache.buffers().keys[:, :2, :, :16], keys)
         decoder.cache.pending = [[t] for t in logits.argmax(-1).tolist()]
-    # each row's choice runs at the start of the step after every interval-th step, before it is fed
-    assert refreshed == [s for s in range(interval, 12, interval) for _ in range(2)]
+    # each row's choice runs at the start of its step, before it is fed
+    assert refreshed == [k for k in range(12) if chooses(k) for _ in range(2)]
 
 
 def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model, monkeypatch):
