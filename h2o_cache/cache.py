@@ -64,7 +64,7 @@ class _Step:
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
     decode: bool = False  # at most one token per row
-    fed: list[int] | None = None  # rows given tokens, with recall
+    fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
 
 
 class H2OCache:
@@ -284,7 +284,8 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid, decode=chunk == 1, fed=fed,
+            kv_len=kv_len, mask=mask, query_valid=query_valid, decode=chunk == 1,
+            fed=None if fed is None else torch.tensor([fed, [n_new[row] - 1 for row in fed]], dtype=torch.int64, device=device),
         )
         return positions
 
@@ -336,8 +337,8 @@ class H2OCache:
             plain = self._plain(query)
             # Each fed row keeps its last token's queries (rows given no token keep what they had):
             # the next decode pass chooses by them, pooled over every layer.
-            last = torch.tensor([n - 1 for n in step.n_new if n], device=query.device)
-            self._queries[layer_idx, step.fed] = plain[step.fed, :, last].to(self._queries.dtype)
+            rows, last = step.fed
+            self._queries[layer_idx, rows] = plain[rows, :, last].to(self._queries.dtype)
             if not step.decode and any(self.recalled):
                 self._choose(layer_idx, plain, scaling)
         if not self.policy.needs_scores:
