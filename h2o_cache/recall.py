@@ -5,7 +5,8 @@ layer and KV head, whole blocks) as a window onto its `Archive` of evicted token
 *copies* of the archive's blocks that the queries of the latest pass chose, per layer and KV head
 (Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk chooses with its own queries, before
 its attention (InfLLM); a decode step attends with the window the previous step's queries chose, and
-its own queries choose the next one (every `recall_interval` steps), on the transformers path as on
+its own queries, pooled over all layers, choose the next one (each of a reply's first `recall_burst`
+steps, then every `recall_interval`-th), on the transformers path as on
 the fast step (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
 archive keeps every block, so a block that falls out of the chosen set is not lost, and a block is in
 the window at most once; the window never competes for the budget (its slots are pinned).

@@ -17,8 +17,8 @@ the budget, with the same ops as the transformers path, so both paths keep the s
 that samples (the server's runner) evicts after sampling, so the sampled tokens do not wait for it.
 
 With recall, the step also leaves every row's queries before RoPE in the cache's fixed buffer (a
-write, no read-back); every `recall_interval` steps they choose each row's recall window at the start
-of the next step (`H2OCache.choose_due`, as the transformers path does). The choice runs on the
+write, no read-back); after a prefill, through a reply's first `recall_burst` steps and then every
+`recall_interval` steps, they choose each row's recall window at the start of the next step (`H2OCache.choose_due`, as the transformers path does). The choice runs on the
 archive in host memory, outside the step and its graphs; the step's shapes and buffers never change.
 """
 
@@ -107,9 +107,9 @@ class StaticDecoder:
         Rows that cross the budget are evicted before this returns, or with evict=False by the caller
         (`cache.evict_over_budget()`, after sampling) or else first thing in the next step; then
         nothing that can raise runs after the rows are fed, so a failed step can be retried on the
-        transformers path without feeding a token twice. With recall, every
-        `recall_interval` steps, the step's queries choose the rows' recall windows at the start of the
-        next one (a choice that raises does so before anything is fed); pending tokens
+        transformers path without feeding a token twice. With recall, the rows whose choice is due
+        (`H2OCache.choose_due`: a reply's first `recall_burst` steps, then every `recall_interval`)
+        choose their windows by the last queries first (a choice that raises does so before anything is fed); pending tokens
         are left for the caller to replace with the next sampled ones.
         """
         cache = self.cache
