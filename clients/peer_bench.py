@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ours_url:
             urls[OURS] = args.ours_url
         else:
-            proc, urls[OURS] = start_server(["--model", str(gguf), "--state-dir", "", "--threads", str(args.threads),
-                                             "--max-batch-size", str(max(args.streams))], args.log_dir / "peer-ours.log")
+            proc, urls[OURS] = start_server(["--model", str(gguf), "--state-dir", "", "--threads", str(args.threads)],
+                                            args.log_dir / "peer-ours.log")
             procs.append(proc)
         if args.llama_url:
             urls[PEER] = args.llama_url
