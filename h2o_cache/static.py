@@ -30,7 +30,7 @@ from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import decode_step
 from h2o_cache.hf import decoder_weights, model_spec
-from h2o_cache.quantized import NativeStep, gguf_matrices, kernel
+from h2o_cache.quantized import EXACT, NativeStep, fastest_activations, gguf_matrices, kernel
 
 # Above this many rows MKL's fp32 products beat the quantized kernel called op by op on a 2-core AVX2
 # CPU (`python -m h2o_cache.bench.speed --only fast-vs-eager`); the native step beats them at any size.
@@ -55,10 +55,14 @@ class StaticDecoder:
     with Q4_1 / Q8_0 matrices, and a compiled kernel).
     native: run those buckets as one C++ call (`NativeStep`); None does where the model allows it, False
     keeps `decode_step`'s torch ops (the reference, for comparisons).
+    exact: the native step multiplies the fp32 activations by the weights' exact values; else (the
+    default) it quantizes them per 32-block to int8 and uses integer dot products, as llama.cpp does
+    (AVX-512 VNNI where the CPU has it): faster products and an NLL +0.13% above the exact one
+    (`python -m h2o_cache.bench.activations`, RESULTS.md). The torch-ops path is always exact.
     """
 
     def __init__(self, model, config: CacheConfig, max_rows: int, cuda_graphs: bool | None = None,
-                 quantized: bool | None = None, native: bool | None = None):
+                 quantized: bool | None = None, native: bool | None = None, exact: bool = False):
         if not config.rolling:
             raise ValueError(f"static decode needs an evicting policy with position rolling, not {config.describe()}")
         self.spec = model_spec(model)
@@ -89,7 +93,8 @@ class StaticDecoder:
         if native is not False and self.quantized_weights is not None:
             args = (self.quantized_weights, self.cache.buffers(), self._cos, self._sin)
             if NativeStep.supports(*args):
-                self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries)
+                self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries,
+                                         activations=EXACT if exact else fastest_activations())
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
         # A bucket's tokens, slots and origins ([3, bucket]; with rolling a new token's RoPE position is

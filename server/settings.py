@@ -131,6 +131,9 @@ class ServerSettings(BaseSettings):
                                              "requests (one chunk each), between decode steps")
     enforce_eager: CliImplicitFlag[bool] = Field(
         False, description="decode on the transformers path instead of the fast fixed-shape step (CUDA graphs on a GPU)")
+    exact: CliImplicitFlag[bool] = Field(
+        False, description="on the CPU, multiply the GGUF blocks by the fp32 activations as they are (the dense model's "
+                           "values), instead of quantizing them per 32-block to int8 for integer dot products (faster)")
     default_max_tokens: int = Field(512, ge=1, le=1_000_000, description="reply tokens when a request sets none")
     max_tokens_limit: int = Field(
         4096, ge=1, le=1_000_000, description="most reply tokens a request may ask for; a larger max_tokens gets 400 "
@@ -163,7 +166,7 @@ class ServerSettings(BaseSettings):
         return EngineConfig(max_batch_size=self.max_batch_size, max_queue=self.max_queue,
                             max_sessions=self.max_sessions, session_ttl=self.session_ttl,
                             max_prompt_tokens=self.max_prompt_tokens, prefill_tokens=self.prefill_tokens,
-                            enforce_eager=self.enforce_eager, context_window=context_window,
+                            enforce_eager=self.enforce_eager, exact=self.exact, context_window=context_window,
                             max_archive_bytes=self.max_archive_bytes,
                             state_dir=self.state_dir or None, max_state_bytes=self.max_state_bytes)
 

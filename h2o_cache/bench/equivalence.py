@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load(args)
     config = CacheConfig(budget=args.budget)
     gen = Generator(model, tokenizer, config)
-    decoder = StaticDecoder(model, config, max_rows=len(PROMPTS))
+    decoder = StaticDecoder(model, config, max_rows=len(PROMPTS), exact=True)  # the transformers path's values
     prompts = [gen.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     result = lockstep(gen, decoder, prompts, args.steps)
     rows = []

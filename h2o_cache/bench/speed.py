@@ -195,14 +195,15 @@ def main(argv: list[str] | None = None) -> None:
         config, rows = CacheConfig(budget=args.budget), max(args.batch_sizes)
         decoder = StaticDecoder(model, config, rows)
         decoders = {"fast": decoder}
-        if decoder.native is not None:  # what one C++ call buys, against the same step in torch ops
+        if decoder.native is not None:  # what int8 activations buy, and one C++ call, against the same step
+            decoders["fast exact"] = StaticDecoder(model, config, rows, exact=True)
             decoders["fast torch ops"] = StaticDecoder(model, config, rows, native=False)
         if decoder.quantized_weights is not None:  # what the GGUF blocks buy, against the same step on fp32 weights
             decoders["fast fp32 weights"] = StaticDecoder(model, config, rows, quantized=False)
         fast = [measure_fast(gen, decoders, b, args.reps, args.steps, args.warmup) for b in args.batch_sizes]
         graphs = " (CUDA graphs)" if decoder.cuda_graphs else ""
         if decoder.native is not None:
-            weights = ", GGUF blocks, one C++ call per step"
+            weights = f", GGUF blocks, one C++ call per step, {decoder.native.activations} activations"
         elif decoder.quantized_weights is not None:
             weights = f", GGUF blocks up to {QUANTIZED_MAX_ROWS} rows"
         else:

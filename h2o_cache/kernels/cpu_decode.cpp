@@ -4,7 +4,11 @@
 // one-token step (embedding, 30-odd layers, head) in one call, so that a step pays no Python or
 // dispatch cost per op. The step's math is `decode.decode_step`'s; see it below.
 //
-// Products:
+// Products take their fp32 input either as it is (the exact path, below) or quantized per 32-block
+// to int8 for integer dot products (the integer path, `int8_products.h`, with AVX2 or, where the CPU
+// has it, AVX-512 VNNI: see "The integer path").
+//
+// Exact products:
 // out[b, n] (+)= sum_k x[b, k] * w[n, k] for b < B, n < N, where row n of w is K / 32 GGUF blocks:
 //   Q4_1: 20 bytes {fp16 d, fp16 m, 16 bytes of nibbles}; w = d * q + m, q = low nibbles (elements
 //         0..15) then high nibbles (16..31);
@@ -149,6 +153,15 @@ inline void dense_rows(const uint8_t* rows, int64_t blocks, float* dense, const 
     else if (B - b == 1) dense_tile<R, 1>(dense, K, xb, x_stride, ob, out_stride, accumulate);
 }
 
+// A step reads its ~100 MB of weights once, from memory, row after row; the hardware prefetcher alone
+// left a batch-1 step waiting on memory (3 GB/s): each row asks for the one PREFETCH_ROWS ahead (a
+// prefetch past the end of the matrix is harmless: prefetches never fault).
+constexpr int64_t PREFETCH_ROWS = 16;
+
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
+}
+
 // Weight rows go DENSE_ROWS at a time through `dense_rows` once x has DENSE_MIN_B rows or more;
 // with fewer, each block is dequantized in registers for one or two rows of x (`tile`).
 constexpr int DENSE_ROWS = 3;
@@ -164,9 +177,11 @@ void matmul(const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, 
             float* dense = static_cast<float*>(_mm_malloc(DENSE_ROWS * K * sizeof(float), 64));
             const int64_t groups = N / DENSE_ROWS;
 #pragma omp for schedule(static) nowait
-            for (int64_t g = 0; g < groups; ++g)
+            for (int64_t g = 0; g < groups; ++g) {
+                prefetch_row(w + (g + PREFETCH_ROWS) * DENSE_ROWS * row_bytes, DENSE_ROWS * row_bytes);
                 dense_rows<Q, DENSE_ROWS>(w + g * DENSE_ROWS * row_bytes, blocks, dense, x, out + g * DENSE_ROWS, B,
                                           x_stride, out_stride, accumulate);
+            }
 #pragma omp for schedule(static)
             for (int64_t n = groups * DENSE_ROWS; n < N; ++n)
                 dense_rows<Q, 1>(w + n * row_bytes, blocks, dense, x, out + n, B, x_stride, out_stride, accumulate);
@@ -175,6 +190,7 @@ void matmul(const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, 
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; ++n) {
                 const uint8_t* row = w + n * row_bytes;
+                prefetch_row(row + PREFETCH_ROWS * row_bytes, row_bytes);
                 int64_t b = 0;
                 for (; b + 2 <= B; b += 2)
                     tile<Q, 2>(row, blocks, x + b * x_stride, x_stride, out + b * out_stride + n, out_stride, accumulate);
@@ -184,15 +200,6 @@ void matmul(const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, 
     }
 }
 
-
-int product(int kind, const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K, int accumulate,
-            int threads) {
-    if (K % 32 != 0) return 1;
-    if (kind == 0) matmul<Q4_1>(w, x, out, B, N, K, K, N, accumulate, threads);
-    else if (kind == 1) matmul<Q8_0>(w, x, out, B, N, K, K, N, accumulate, threads);
-    else return 2;
-    return 0;
-}
 
 // ---- The decode step ------------------------------------------------------------------------------
 //
@@ -226,6 +233,7 @@ struct Layout {
         origin_row_stride;
     float* queries;                    // may be null; else [layers, rows, heads, head_dim]: each row's
     int64_t query_layer_stride;        // queries before RoPE (what chooses a recall window)
+    int64_t activations;               // EXACT, INT8_AVX2 or INT8_VNNI: how products take their input
 };
 
 inline float hsum8(__m256 s) {
@@ -385,6 +393,102 @@ void swiglu(const float* gu, int64_t B, int64_t I, float* out) {
         }
 }
 
+// ---- The integer path ------------------------------------------------------------------------------
+//
+// Products whose fp32 input is first quantized per 32-block to int8 (llama.cpp's Q8_1 activations),
+// then multiplied by the blocks' integers: a block costs a few integer ops instead of 32 conversions
+// and FMAs. The results differ from the exact path's by the activations' rounding; the exact path
+// stays for whoever needs the dense model's values (`--exact`).
+
+enum Activations : int64_t { EXACT = 0, INT8_AVX2 = 1, INT8_VNNI = 2 };
+
+// B rows of K activations as 32-blocks: q [B, K] int8; d, s [B, K / 32]: x ~ d q, s = d sum(q).
+struct ActRows {
+    const int8_t* q;
+    const float* d;
+    const float* s;
+    int64_t blocks;
+};
+
+struct ActBuffer {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+
+    // x [B, K] (row stride x_stride) quantized as llama.cpp's quantize_row_q8_1: d = max|x| / 127,
+    // q = round(x / d), each block's own d.
+    ActRows quantize(const float* x, int64_t B, int64_t K, int64_t x_stride) {
+        const int64_t blocks = K / 32;
+        q.resize(B * K);
+        d.resize(B * blocks);
+        s.resize(B * blocks);
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t k = 0; k < blocks; ++k) {
+                const float* xk = x + b * x_stride + k * 32;
+                __m256 v[4], top = _mm256_setzero_ps();
+                for (int j = 0; j < 4; ++j) {
+                    v[j] = _mm256_loadu_ps(xk + 8 * j);
+                    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+                }
+                __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                const float amax = _mm_cvtss_f32(h), scale = amax / 127.0f;
+                const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? 1.0f / scale : 0.0f);
+                __m256i i[4];
+                for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));  // to nearest
+                const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+                // packs interleave the 128-bit lanes; the permutation puts the 32 values back in order
+                const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + b * K + k * 32),
+                                    _mm256_permutevar8x32_epi32(packed, order));
+                __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+                d[b * blocks + k] = scale;
+                s[b * blocks + k] = scale * static_cast<float>(_mm_cvtsi128_si32(t));
+            }
+        return {q.data(), d.data(), s.data(), blocks};
+    }
+};
+
+namespace avx2 {
+#include "int8_products.h"
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+#define H2O_VNNI 1
+namespace vnni {
+#include "int8_products.h"
+}  // namespace vnni
+#undef H2O_VNNI
+#pragma GCC pop_options
+
+bool has_vnni() {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// out (+)= x @ w.T on the path `activations` names; `buffer` holds the quantized x.
+int product(int64_t activations, ActBuffer& buffer, int64_t kind, const uint8_t* w, const float* x, float* out,
+            int64_t B, int64_t N, int64_t K, int64_t x_stride, int64_t out_stride, int accumulate, int threads) {
+    if (K % 32 != 0) return 1;
+    if (kind != 0 && kind != 1) return 2;
+    if (activations == EXACT) {
+        if (kind == 0) matmul<Q4_1>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
+        else matmul<Q8_0>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
+        return 0;
+    }
+    if (activations == INT8_VNNI && !has_vnni()) return 5;
+    if (activations != INT8_AVX2 && activations != INT8_VNNI) return 6;
+    const ActRows a = buffer.quantize(x, B, K, x_stride);
+    if (activations == INT8_VNNI) vnni::product(kind, w, a, out, B, N, out_stride, accumulate, threads);
+    else avx2::product(kind, w, a, out, B, N, out_stride, accumulate, threads);
+    return 0;
+}
+
 int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, const int64_t* origins, int64_t B,
                 float* logits) {
     const int64_t E = s.hidden, I = s.intermediate, D = s.head_dim, H = s.heads, Hkv = s.kv_heads;
@@ -395,6 +499,12 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
     }
     const int threads = static_cast<int>(s.threads);
     const float eps = static_cast<float>(s.eps);
+    ActBuffer buffer;
+    // products whose input rows are K wide and packed, as every product of the step
+    auto mul = [&](int64_t kind, const void* w, const float* in, float* out, int64_t N, int64_t K, int accumulate) {
+        return product(s.activations, buffer, kind, static_cast<const uint8_t*>(w), in, out, B, N, K, K, N, accumulate,
+                       threads);
+    };
     std::vector<float> x(B * E), normed(B * E), qkv(B * (H + 2 * Hkv) * D), att(B * H * D), gu(B * 2 * I), act(B * I);
     for (int64_t b = 0; b < B; ++b) {
         memcpy(x.data() + b * E, s.embed + tokens[b] * E, E * sizeof(float));
@@ -407,16 +517,16 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
         const void* const* w = s.layer_weights + 6 * l;
         const int64_t* kind = s.layer_kinds + 4 * l;
         for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * E, static_cast<const float*>(w[0]), normed.data() + b * E, E, eps);
-        status |= product(kind[0], static_cast<const uint8_t*>(w[1]), normed.data(), qkv.data(), B, (H + 2 * Hkv) * D, E, 0, threads);
+        status |= mul(kind[0], w[1], normed.data(), qkv.data(), (H + 2 * Hkv) * D, E, 0);
         attend(s, l, qkv.data(), slots, B, att.data());
-        status |= product(kind[1], static_cast<const uint8_t*>(w[2]), att.data(), x.data(), B, E, H * D, 1, threads);
+        status |= mul(kind[1], w[2], att.data(), x.data(), E, H * D, 1);
         for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * E, static_cast<const float*>(w[3]), normed.data() + b * E, E, eps);
-        status |= product(kind[2], static_cast<const uint8_t*>(w[4]), normed.data(), gu.data(), B, 2 * I, E, 0, threads);
+        status |= mul(kind[2], w[4], normed.data(), gu.data(), 2 * I, E, 0);
         swiglu(gu.data(), B, I, act.data());
-        status |= product(kind[3], static_cast<const uint8_t*>(w[5]), act.data(), x.data(), B, E, I, 1, threads);
+        status |= mul(kind[3], w[5], act.data(), x.data(), E, I, 1);
     }
     for (int64_t b = 0; b < B; ++b) rms_norm(x.data() + b * E, s.norm, normed.data() + b * E, E, eps);
-    status |= product(static_cast<int>(s.lm_head_kind), s.lm_head, normed.data(), logits, B, s.vocab, E, 0, threads);
+    status |= mul(s.lm_head_kind, s.lm_head, normed.data(), logits, s.vocab, E, 0);
     return status ? 2 : 0;
 }
 
@@ -426,14 +536,15 @@ extern "C" {
 
 // kind: 0 = Q4_1, 1 = Q8_0. w: [N, K / 32 blocks]; x: [B, K] with row stride x_stride; out: [B, N]
 // with row stride out_stride, added to when accumulate is nonzero. K must be a multiple of 32.
+// activations: 0 exact, 1 int8 with AVX2, 2 int8 with AVX-512 VNNI (5 where the CPU has none).
 int h2o_qmatmul(int kind, const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K,
-                int64_t x_stride, int64_t out_stride, int accumulate, int threads) {
-    if (K % 32 != 0) return 1;
-    if (kind == 0) matmul<Q4_1>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
-    else if (kind == 1) matmul<Q8_0>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
-    else return 2;
-    return 0;
+                int64_t x_stride, int64_t out_stride, int accumulate, int threads, int activations) {
+    ActBuffer buffer;
+    return product(activations, buffer, kind, w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
 }
+
+// Whether this CPU runs the AVX-512 VNNI products.
+int h2o_has_vnni() { return has_vnni(); }
 
 // One decode step of B rows (see Layout): feeds tokens[b] to row b at slot slots[b] (also its RoPE
 // position), writing origins[b] as that slot's origin; logits: [B, vocab]. Returns 0, or nonzero

@@ -45,7 +45,7 @@ class Engine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.grammars = Grammars(tokenizer, self.vocab_size)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
-        self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager)
+        self.runner = ModelRunner(self.generator, config.max_batch_size, config.enforce_eager, config.exact)
         self.scheduler = Scheduler(self.runner.batch, config.max_batch_size, config.max_queue)
         self.metrics = EngineMetrics()
         self.persistence = None

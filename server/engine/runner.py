@@ -22,20 +22,22 @@ class ModelRunner:
     one C++ call over the GGUF file's quantized matrices on a CPU)
     unless `enforce_eager` is set or the cache cannot take it (`full` policy, no position rolling,
     a model that is not plain Llama) or building it fails (a CUDA graph that cannot be captured, out
-    of memory): then the transformers path runs it.
+    of memory): then the transformers path runs it. `exact` keeps the CPU step's products on fp32
+    activations (no int8 rounding).
 
     Only the engine thread calls it: the model and its caches are not thread-safe.
     """
 
-    def __init__(self, generator: Generator, max_batch_size: int, enforce_eager: bool = False):
+    def __init__(self, generator: Generator, max_batch_size: int, enforce_eager: bool = False, exact: bool = False):
         self.generator = generator
         self.decoder: StaticDecoder | None = None
         if not enforce_eager:
             try:
-                self.decoder = StaticDecoder(generator.model, generator.config, max_batch_size)
+                self.decoder = StaticDecoder(generator.model, generator.config, max_batch_size, exact=exact)
                 how = ""
                 if self.decoder.native is not None:
-                    how = " with the GGUF file's quantized matrices, one C++ call per step"
+                    how = (" with the GGUF file's quantized matrices, one C++ call per step, "
+                           f"{self.decoder.native.activations} activations")
                 elif self.decoder.quantized_weights is not None:
                     how = " with the GGUF file's quantized matrices"
                 log.info("decoding on the fast path%s", how)

@@ -24,6 +24,7 @@ class EngineConfig:
     max_prompt_tokens: int = 32768  # longest conversation a request may prefill
     prefill_tokens: int = 512  # prompt tokens prefilled per engine iteration (several requests), between decode steps
     enforce_eager: bool = False  # decode on the transformers path, never the fast static step
+    exact: bool = False  # the CPU step's products take fp32 activations as they are, not quantized to int8
     context_window: int | None = None  # for policies that never evict (full): prompt + reply limit
     state_dir: str | None = None  # sessions persist there (transcripts, snapshots at shutdown); None: not at all
     max_state_bytes: int = 8 << 30  # bytes of transcripts and snapshots kept in state_dir, oldest dropped first

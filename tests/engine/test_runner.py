@@ -68,6 +68,16 @@ async def test_a_failed_fast_step_is_retried_so_only_the_failing_row_fails(make_
     assert len((await collect(await engine.submit(ChatRequest(bad.messages, greedy(3))))).token_ids) == 3
 
 
+def test_exact_reaches_the_fast_path(tiny_model, byte_tokenizer, monkeypatch):
+    asked = []
+    monkeypatch.setattr("server.engine.runner.StaticDecoder",
+                        lambda *args, **kwargs: asked.append(kwargs["exact"]) or StaticDecoder(*args, **kwargs))
+    generator = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="h2o", budget=24, prefill_chunk=16))
+    ModelRunner(generator, max_batch_size=4, exact=True)
+    ModelRunner(generator, max_batch_size=4)
+    assert asked == [True, False]
+
+
 def test_a_fast_path_that_fails_to_start_falls_back_to_eager_with_a_warning(tiny_model, byte_tokenizer, monkeypatch,
                                                                             caplog):
     """Capturing CUDA graphs on a machine without CUDA fails as a capture failure (or out of memory)

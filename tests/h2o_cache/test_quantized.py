@@ -9,7 +9,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder
 from h2o_cache.decode import DecoderWeights
-from h2o_cache.quantized import QuantizedMatrix, gguf_matrices, kernel
+from h2o_cache.quantized import EXACT, INT8_AVX2, INT8_VNNI, QuantizedMatrix, gguf_matrices, kernel
 from tests.conftest import ByteTokenizer, tiny_llama
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -44,6 +44,40 @@ def test_products_match_the_dense_weights_and_no_row_depends_on_its_batch(matrix
     residual = torch.randn(9, matrix.out_features)
     assert torch.equal(matrix.matmul(x, residual), residual + out)
     assert torch.equal(matrix.matmul(x.T.contiguous().T), out)  # a column-major x is read as its values
+
+
+def integer_paths() -> list[str]:
+    return [INT8_AVX2, INT8_VNNI] if kernel() is not None and kernel().h2o_has_vnni() else [INT8_AVX2]
+
+
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer path sees it: per 32-block, d = max|x| / 127 and x ~ d round(x / d)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
+def test_integer_products_are_the_exact_product_of_the_int8_activations(matrix):
+    x = torch.randn(9, matrix.in_features, generator=torch.Generator().manual_seed(1))
+    x[2, :32] = 0  # an all-zero block has d = 0
+    w = matrix.dequantize().double()
+    reference = q8_blocks(x).double() @ w.T  # only the order of fp32 sums differs
+    exact = x.double() @ w.T
+    # activation rounding moves each product by at most |w| d / 2
+    bound = (w.abs() @ (x.reshape(9, -1, 32).abs().amax(-1) / 254).repeat_interleave(32, dim=1).T.double()).T
+    results = []
+    for path in integer_paths():
+        out = matrix.matmul(x, activations=path)
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
+        assert ((out.double() - exact).abs() <= bound + 1e-4).all()
+        assert (out.double() - exact).abs().max() > 1e-4  # the path does quantize
+        for batch in range(1, 9):
+            assert torch.equal(matrix.matmul(x[:batch], activations=path), out[:batch])
+        residual = torch.randn(9, matrix.out_features)
+        assert torch.equal(matrix.matmul(x, residual, activations=path), residual + out)
+        results.append(out)
+    assert all(torch.equal(r, results[0]) for r in results)  # VNNI sums the same integers as AVX2
 
 
 def test_widths_that_are_not_whole_blocks_are_refused(matrix):
@@ -125,10 +159,10 @@ def test_a_matrix_that_differs_from_the_loaded_weights_stays_dense(gguf_model):
 
 def test_the_quantized_fast_path_decodes_the_transformers_path_s_tokens(gguf_model):
     """Rows join and leave, evict at different steps and run in padded buckets, as in the engine: 256
-    steps of the native step against the transformers path."""
+    steps of the exact native step against the transformers path."""
     config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
     gen = Generator(gguf_model, ByteTokenizer(), config)
-    decoder = StaticDecoder(gguf_model, config, max_rows=4)
+    decoder = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     assert decoder.quantized_weights is not None and decoder.native is not None
     eager = gen.new_cache(0)
     prompts = [list(range(3 + i, 20 + 5 * i)) for i in range(5)]
@@ -174,7 +208,7 @@ def rows_near_budget(gen: Generator, config: CacheConfig, count: int) -> H2OCach
 def test_the_native_step_computes_decode_step_s_logits_and_cache_writes(gguf_model):
     config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
     gen = Generator(gguf_model, ByteTokenizer(), config)
-    native = StaticDecoder(gguf_model, config, max_rows=4)
+    native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
     assert native.native is not None and ops.native is None
     rows = rows_near_budget(gen, config, 3)  # a bucket of 4 with a padding row
@@ -192,11 +226,12 @@ def test_the_native_step_computes_decode_step_s_logits_and_cache_writes(gguf_mod
     assert native.cache.lengths == ops.cache.lengths
 
 
-def test_a_row_s_native_step_does_not_depend_on_its_batch(gguf_model):
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_row_s_native_step_does_not_depend_on_its_batch(gguf_model, exact):
     config = CacheConfig(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     rows = rows_near_budget(gen, config, 5)
-    alone, shared = StaticDecoder(gguf_model, config, max_rows=8), StaticDecoder(gguf_model, config, max_rows=8)
+    alone, shared = (StaticDecoder(gguf_model, config, max_rows=8, exact=exact) for _ in range(2))
     alone.cache.extend(rows)
     for _ in range(4):
         alone.cache.pop(1)  # row 0 only: bucket 1
@@ -229,7 +264,7 @@ def test_the_default_model_decodes_on_its_own_q4_1_and_q8_0_blocks_with_the_eage
     model, tokenizer = default_model
     config = CacheConfig(policy="h2o", budget=64, prefill_chunk=64)
     gen = Generator(model, tokenizer, config)
-    decoder = StaticDecoder(model, config, max_rows=2)
+    decoder = StaticDecoder(model, config, max_rows=2, exact=True)
     assert all(isinstance(m, QuantizedMatrix) for m in matrices(decoder.quantized_weights))
     assert {m.kind for m in matrices(decoder.quantized_weights)} == {"Q4_1", "Q8_0"}
     eager = gen.new_cache(0)

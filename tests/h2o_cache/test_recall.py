@@ -434,7 +434,7 @@ def gguf_model(tmp_path_factory):
 def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windows(gguf_model):
     config = recall_config()
     gen = Generator(gguf_model, ByteTokenizer(), config)
-    native = StaticDecoder(gguf_model, config, max_rows=4)
+    native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
     assert native.native is not None and ops.native is None
     recalling_rows(gen, (50, 51, 52), [native, ops])  # a bucket of 4 with a padding row

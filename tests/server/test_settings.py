@@ -38,13 +38,14 @@ def test_flags_reach_the_cache_and_engine_configs():
     s = parse("--policy", "streaming", "--kv-budget", "64", "--heavy-ratio", "0.25", "--sink-tokens", "2",
               "--evict-slack", "8", "--no-position-rolling", "--max-batch-size", "4", "--max-queue", "9", "--max-sessions", "3",
               "--session-ttl", "60", "--max-prompt-tokens", "1000", "--prefill-chunk", "32",
-              "--prefill-tokens", "96", "--enforce-eager")
+              "--prefill-tokens", "96", "--enforce-eager", "--exact")
     assert s.cache_config() == CacheConfig(policy="streaming", budget=64, heavy_ratio=0.25, sink_tokens=2,
                                            evict_slack=8, position_rolling=False, prefill_chunk=32)
     engine = s.engine_config(context_window=2048)
     assert (engine.max_batch_size, engine.max_queue, engine.max_sessions, engine.session_ttl) == (4, 9, 3, 60.0)
     assert (engine.max_prompt_tokens, engine.prefill_tokens, engine.enforce_eager, engine.context_window) == (
         1000, 96, True, 2048)
+    assert engine.exact and not parse().engine_config(context_window=None).exact
 
 
 def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_it_applies():
