@@ -63,7 +63,6 @@ class _Step:
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
-    decode: bool = False  # at most one token per row
     fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
 
 
@@ -252,12 +251,12 @@ class H2OCache:
         fed = None
         if self.config.recalls:
             fed = [row for row, n in enumerate(n_new) if n]
-            if chunk > 1:
-                for row in fed:
+            # A row given one token decodes, whatever the others are given, so that it evolves as alone.
+            for row in fed:
+                if n_new[row] > 1:
                     recall.grow(self, row)
                     self.due[row] = False  # the chunk chooses with its own queries
-            else:
-                self.choose_due(fed)
+            self.choose_due([row for row in fed if n_new[row] == 1])
         device = self.spec.device
         starts = torch.tensor(self.lengths, device=device)
         offsets = torch.arange(chunk, device=device)
@@ -284,7 +283,7 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid, decode=chunk == 1,
+            kv_len=kv_len, mask=mask, query_valid=query_valid,
             fed=None if fed is None else torch.tensor([fed, [n_new[row] - 1 for row in fed]], dtype=torch.int64, device=device),
         )
         return positions
@@ -339,7 +338,7 @@ class H2OCache:
             # the next decode pass chooses by them, pooled over every layer.
             rows, last = step.fed
             self._queries[layer_idx, rows] = plain[rows, :, last].to(self._queries.dtype)
-            if not step.decode and any(self.recalled):
+            if any(self.recalled):
                 self._choose(layer_idx, plain, scaling)
         if not self.policy.needs_scores:
             out = F.scaled_dot_product_attention(
@@ -368,24 +367,24 @@ class H2OCache:
         """Fill the recall window of `layer` in every row that has one with what this chunk's real queries
         ([B, H_q, C, D] before RoPE, fp32) point at."""
         for row, n in enumerate(self._step.n_new):
-            if n and self.recalled[row]:
+            if n > 1 and self.recalled[row]:
                 recall.choose(self, row, plain[row:row + 1, :, :n], scaling, slice(layer, layer + 1))
 
     @torch.no_grad()
     def end(self) -> None:
         """Commit the pass: count the new tokens; rows over the budget are evicted down to the target."""
         step, self._step = self._step, None
-        self.advance(step.n_new, decode=step.decode)
+        self.advance(step.n_new)
 
     @torch.no_grad()
-    def advance(self, n_new: list[int], decode: bool = False, evict: bool = True) -> None:
+    def advance(self, n_new: list[int], evict: bool = True) -> None:
         """Count n_new[b] tokens just written into row b, then evict the rows now over the budget.
 
         Only those rows are touched, each exactly when it crosses the budget, so a row evolves the
         same whatever its batch. `end` calls this; the fast path (`StaticDecoder`) calls it directly.
-        decode: the pass fed at most one token per row. With recall, the rows fed are due to choose
-        their windows by their last queries (`_queries`) after a prefill chunk, after each of the
-        first `recall_burst` - 1 decode passes that follow it, and after every `recall_interval`-th.
+        With recall, the rows fed are due to choose their windows by their last queries (`_queries`)
+        after a prefill chunk (more than one token), after each of the first `recall_burst` - 1
+        single tokens that follow it, and after every `recall_interval`-th.
         evict: False leaves the rows over the budget to `evict_over_budget` (the fast path evicts
         after sampling, so that the sampled tokens do not wait for the eviction).
         """
@@ -401,7 +400,7 @@ class H2OCache:
             burst, interval = self.config.recall_burst, self.config.recall_interval
             for row, n in enumerate(n_new):
                 if n:
-                    self.decoded[row] = self.decoded[row] + 1 if decode else 0
+                    self.decoded[row] = self.decoded[row] + 1 if n == 1 else 0
                     k = self.decoded[row]
                     self.due[row] = self.due[row] or k < burst or k % interval == 0
 

@@ -144,7 +144,7 @@ class StaticDecoder:
             graph.replay()
         else:
             logits = self._run(bucket)
-        cache.advance([1] * rows, decode=True, evict=evict)
+        cache.advance([1] * rows, evict=evict)
         self.steps += 1
         return logits[:rows]
 
