@@ -17,9 +17,8 @@ row more than one token) first fills each layer and KV head's window with the ar
 own queries point at, layer by layer. Every pass keeps each fed row's last queries; they choose the
 window again, pooled over all layers, at the start of each of the row's first `recall_burst` decode
 passes after a prefill and then of every `recall_interval`-th (`choose_due`), before anything of that
-pass is fed. The fast step (`StaticDecoder`) does the
-same, so both paths keep the same tokens, and a choice that fails fails before its pass: a retry
-never feeds a token twice.
+pass is fed. The fast step (`StaticDecoder`) does the same, so both paths keep the same tokens, and a
+choice that fails fails before its pass: a retry never feeds a token twice.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from h2o_cache.decode import CacheBuffers
 from h2o_cache.eviction import accumulate_scores
 from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable, unrotate
+from h2o_cache.transfer import upload
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,7 @@ class H2OCache:
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
             kv_len=kv_len, mask=mask, query_valid=query_valid,
-            fed=None if fed is None else torch.tensor([fed, [n_new[row] - 1 for row in fed]], dtype=torch.int64, device=device),
+            fed=None if fed is None else upload([fed, [n_new[row] - 1 for row in fed]], device),
         )
         return positions
 

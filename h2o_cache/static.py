@@ -18,8 +18,9 @@ that samples (the server's runner) evicts after sampling, so the sampled tokens 
 
 With recall, the step also leaves every row's queries before RoPE in the cache's fixed buffer (a
 write, no read-back); after a prefill, through a reply's first `recall_burst` steps and then every
-`recall_interval` steps, they choose each row's recall window at the start of the next step (`H2OCache.choose_due`, as the transformers path does). The choice runs on the
-archive in host memory, outside the step and its graphs; the step's shapes and buffers never change.
+`recall_interval` steps, they choose each row's recall window at the start of the next step
+(`H2OCache.choose_due`, as the transformers path does). The choice runs on the archive in host
+memory, outside the step and its graphs; the step's shapes and buffers never change.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ class StaticDecoder:
         nothing that can raise runs after the rows are fed, so a failed step can be retried on the
         transformers path without feeding a token twice. With recall, the rows whose choice is due
         (`H2OCache.choose_due`: a reply's first `recall_burst` steps, then every `recall_interval`)
-        choose their windows by the last queries first (a choice that raises does so before anything is fed); pending tokens
-        are left for the caller to replace with the next sampled ones.
+        choose their windows by the last queries first (a choice that raises does so before anything
+        is fed); pending tokens are left for the caller to replace with the next sampled ones.
         """
         cache = self.cache
         rows = cache.batch_size
