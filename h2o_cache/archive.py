@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from h2o_cache.eviction import take_vectors
-from h2o_cache.selection import block_mass, bound_mass, pool_by_position, token_mass, top_blocks
+from h2o_cache.selection import block_mass, block_votes, bound_mass, pool_by_position, position_votes, token_mass, top_blocks
 
 _FIELDS = ("keys", "values", "scores", "origins")
 # Candidate blocks per chosen block that the exact logits rank (second stage of `select`): the bound
@@ -175,7 +175,8 @@ class Archive:
         self._digested = end
 
     @torch.no_grad()
-    def select(self, queries: torch.Tensor, scaling: float, blocks: int, layers: slice = slice(None)) -> torch.Tensor:
+    def select(self, queries: torch.Tensor, scaling: float, blocks: int, layers: slice = slice(None),
+               everywhere: bool = False) -> torch.Tensor:
         """The `blocks` full blocks each KV head of `layers` would attend to most, for `queries`.
 
         queries: [L', H_kv, Q, D] before RoPE (L' = the layers of `layers`), the Q queries that share
@@ -184,7 +185,9 @@ class Archive:
         bound draws the most attention mass are candidates; the exact logits of the queries against
         the candidates' keys give each key its attention mass, pooled by original position over all
         the layers and heads of `layers`, and each head takes the `blocks` candidates whose tokens'
-        positions drew the most.
+        positions drew the most; `everywhere`: the `blocks` of all its blocks whose tokens' positions
+        drew the most (`block_votes`), for a choice that pools many heads (a decode step's, over all
+        layers), where one head's bound missing a fact must not keep it from the head.
         Returns [L', H_kv, blocks] int64 block indices, ascending; blocks <= full_blocks.
         """
         lo, hi = self._digests()
@@ -195,6 +198,10 @@ class Archive:
         if candidates.shape[-1] > blocks:
             keys, origins = self.gather(candidates, layers, ("keys", "origins"))  # [L', H_kv, wanted * block, ...]
             mass = token_mass(q, keys.to(device).float(), scaling)
+            if everywhere:
+                votes = position_votes(mass, origins.to(device), POSITIONS).cpu()
+                full = lo.shape[2] * self.block
+                return top_blocks(block_votes(votes, self._data["origins"][layers, :, :full], self.block), blocks).sort(dim=-1).values
             mass = pool_by_position(mass, origins.to(device), POSITIONS)
             candidates = top_blocks(block_mass(mass, self.block).cpu(), blocks, candidates)
         return candidates.sort(dim=-1).values

@@ -72,13 +72,15 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     for row in range(cache.batch_size) if rows is None else rows:
         grow(cache, row)
         if cache.recalled[row]:
-            choose(cache, row, queries[:, row, :, None], scaling)
+            choose(cache, row, queries[:, row, :, None], scaling, everywhere=True)
 
 
 @torch.no_grad()
-def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, layers: slice = slice(None)) -> None:
+def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, layers: slice = slice(None),
+           everywhere: bool = False) -> None:
     """Fill the row's window in `layers` with the blocks `queries` ([L', H_q, Q, D] before RoPE, the
-    row's queries of those layers) would attend to most (`Archive.select`), per KV head."""
+    row's queries of those layers) would attend to most (`Archive.select`, its `everywhere` as given),
+    per KV head."""
     r = cache.recalled[row]
     if not r:
         return
@@ -86,7 +88,7 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     group = queries.shape[1] // spec.num_kv_heads
     # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
     grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
-    chosen = cache.archives[row].select(grouped, scaling, r // cache.config.recall_block, layers)
+    chosen = cache.archives[row].select(grouped, scaling, r // cache.config.recall_block, layers, everywhere)
     fill(cache, row, chosen, layers)
 
 

@@ -6,7 +6,9 @@ blocks gives the attention mass a block may draw (`bound_mass`); the exact logit
 against the keys of the best candidates then choose among them (`token_mass`), since a block of
 large keys pointing every way has a loose bound though none of its keys matches the query. The
 exact mass is pooled by original position over every layer and head that chose together
-(`pool_by_position`), as the keys of one token sit in different blocks of different heads.
+(`position_votes`), as the keys of one token sit in different blocks of different heads: among its
+own candidates (`pool_by_position`), or, for a choice pooled over all layers, among all of its blocks
+(`block_votes`), so that a head whose own bound missed the fact still fetches it.
 
 No function here reads a value back to the host or returns a shape that depends on tensor values
 (`tests/h2o_cache/test_capture_safety.py` holds them to it), so on a GPU the ranking can run on the
@@ -33,6 +35,14 @@ def token_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> tor
     return (torch.matmul(queries, keys.transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2)
 
 
+def position_votes(mass: torch.Tensor, origins: torch.Tensor, positions: int) -> torch.Tensor:
+    """mass [L, H, K] fp32 per candidate key; origins [L, H, K] int64, the keys' original positions.
+    Returns [positions] fp32: per original position (modulo `positions`), the mass every layer and
+    head gave to it, summed."""
+    return torch.zeros(positions, dtype=mass.dtype, device=mass.device).index_add_(
+        0, origins.remainder(positions).flatten(), mass.flatten())
+
+
 def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int) -> torch.Tensor:
     """mass [L, H, K] fp32 per candidate key; origins [L, H, K] int64, the keys' original positions.
     Returns [L, H, K]: per key, the mass that every layer and head gave to its position, summed.
@@ -42,9 +52,19 @@ def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int) 
     point at the fact bring it to the rest. Origins are taken modulo `positions`, a fixed size so
     that the shape never depends on the conversation's length (positions `positions` apart share a
     vote)."""
-    slot = origins.remainder(positions)
-    votes = torch.zeros(positions, dtype=mass.dtype, device=mass.device).index_add_(0, slot.flatten(), mass.flatten())
-    return votes[slot]
+    return position_votes(mass, origins, positions)[origins.remainder(positions)]
+
+
+def block_votes(votes: torch.Tensor, origins: torch.Tensor, block: int) -> torch.Tensor:
+    """votes [positions] (`position_votes`); origins [L, H, N * block] int64, the original positions
+    of the tokens of N blocks per head. Returns [L, H, N] fp32: per block, the votes of its tokens'
+    positions, summed.
+
+    At 8k tokens a head's bound put the pass key among its 64 candidates of ~960 blocks in only 38%
+    of the heads; pooled over its candidates alone, the rest could not fetch it, and the key came
+    back 2 times in 5. Scored by every head's votes over all of its blocks, 98-100% of the heads
+    hold the key's tokens, and the key's digits after the first came back 5 in 5."""
+    return block_mass(votes[origins.remainder(votes.shape[0])], block)
 
 
 def block_mass(mass: torch.Tensor, block: int) -> torch.Tensor:

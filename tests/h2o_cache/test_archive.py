@@ -292,3 +292,23 @@ def test_an_empty_archive_copies_and_restores_empty():
 def test_a_block_larger_than_the_limit_is_refused():
     with pytest.raises(ValueError):
         Archive(L, H, D, torch.float32, block=16, limit=8)
+
+
+def test_a_choice_everywhere_brings_a_head_the_block_the_other_heads_voted_for_though_its_own_bound_missed_it():
+    """Head 1's keys for positions 20-23 point away from the query, so its bound leaves their block
+    out of its candidates; head 0's keys there match the query. Pooled among its own candidates,
+    head 1 cannot take the block; everywhere, the position votes bring it (`block_votes`)."""
+    gen = torch.Generator().manual_seed(3)
+    needle = torch.zeros(D)
+    needle[0] = 4.0
+    keys = 0.3 * torch.randn(1, 2, 64, D, generator=gen)
+    keys[0, 0, 20:24] = needle
+    keys[0, 1, 20:24] = -needle
+    a = Archive(1, 2, D, torch.float32, block=4, limit=256)
+    a.append(keys, keys.clone(), None, torch.arange(64).expand(1, 2, 64))
+    query = needle.expand(1, 2, 3, D)
+    own = a.select(query, 2.0, blocks=1)
+    everywhere = a.select(query, 2.0, blocks=1, everywhere=True)
+    assert own[0, 0, 0] == 5 and own[0, 1, 0] != 5
+    assert torch.equal(everywhere[0, :, 0], torch.tensor([5, 5]))
+    assert everywhere.shape == own.shape == (1, 2, 1)

@@ -80,7 +80,7 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
     """`h2o_cache.selection`, both stages and the candidates' bookkeeping, as a device would run them in
     a captured step: no host read, no data-dependent shape; the same blocks `Archive.select` returns."""
     from h2o_cache.archive import CANDIDATES, POSITIONS, Archive
-    from h2o_cache.selection import block_mass, bound_mass, pool_by_position, token_mass, top_blocks
+    from h2o_cache.selection import block_mass, block_votes, bound_mass, pool_by_position, position_votes, token_mass, top_blocks
 
     layers, heads, d, block, n = 2, 3, 8, 4, 96
     generator = torch.Generator().manual_seed(0)
@@ -100,5 +100,9 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
         at = origins.gather(2, candidates[..., None].expand(-1, -1, -1, block)).flatten(2, 3)
         mass = pool_by_position(token_mass(queries, picked, 0.5), at, POSITIONS)
         chosen = top_blocks(block_mass(mass, block), wanted, candidates).sort(dim=-1).values
+        # a choice everywhere: every block of every head scored by the pooled votes
+        votes = position_votes(token_mass(queries, picked, 0.5), at, POSITIONS)
+        everywhere = top_blocks(block_votes(votes, state["origins"], block), wanted).sort(dim=-1).values
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert torch.equal(chosen, archive.select(queries, 0.5, wanted))
+    assert torch.equal(everywhere, archive.select(queries, 0.5, wanted, everywhere=True))
