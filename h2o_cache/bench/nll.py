@@ -49,6 +49,12 @@ class Item:
     context: list[int]
     target: list[int]
     reference: str = ""  # the target as text, where there is one (an XSum summary)
+    asked: tuple[bool, ...] = ()  # per target token, whether greedy decoding is asked to hit it (empty: all)
+
+    @property
+    def needed(self) -> int:
+        """Target tokens greedy decoding must hit (the rest are fed, as a template's words)."""
+        return sum(self.asked) if self.asked else len(self.target)
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,8 @@ def skipped_phrase(skipped: int, min_prompt_tokens: int, max_prompt_tokens: int)
 @torch.no_grad()
 def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCache | None = None,
           turn: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per item, the summed NLL (nats) of its target tokens and how many of them greedy decoding hits.
+    """Per item, the summed NLL (nats) of its target tokens and how many of them greedy decoding hits
+    (of those it `asked` for).
 
     All items run as rows of one cache: prefill in chunks, then one target token per row and pass,
     teacher-forced. Rows never share scores (the cache keeps them apart), so an item's result does
@@ -99,6 +106,7 @@ def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCach
     width = max(len(item.target) for item in items)
     targets = torch.tensor([item.target + [-1] * (width - len(item.target)) for item in items])
     valid = targets >= 0
+    asked = torch.tensor([list(item.asked or [True] * len(item.target)) + [False] * (width - len(item.target)) for item in items])
     nll = torch.zeros(len(items), dtype=torch.float64)
     hits = torch.zeros(len(items), dtype=torch.int64)
     for t in range(width):
@@ -106,7 +114,7 @@ def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCach
         wanted = targets[:, t].clamp(min=0)
         token_nll = -logits.log_softmax(-1).gather(1, wanted[:, None])[:, 0]
         nll += torch.where(valid[:, t], token_nll.double(), 0.0)
-        hits += (valid[:, t] & (logits.argmax(-1) == wanted)).long()
+        hits += (valid[:, t] & asked[:, t] & (logits.argmax(-1) == wanted)).long()
         if t + 1 == width:
             break
         # Feed target[t] to the rows that still have a token to predict after it.

@@ -4,16 +4,19 @@ A 5-digit pass key (or, with `--fact`, a one-sentence fact: a secret city) is pl
 0-90% of a filler from `botchan.txt`, and the chat then asks for it. The answer is teacher-forced
 after a fixed opening ("The pass key is ", its space included), and a key counts as recalled when
 greedy decoding would produce every one of its tokens there; this equals greedy generation after
-that opening and costs one pass per answer token. All keys of one cell run as rows of one batch.
+that opening and costs one pass per answer token. The opening is fed one token per pass, as a
+server decodes its reply (a recalling cache's decode passes choose their windows pooled over all
+layers); `--opening prefill` feeds it as one chunk instead, which no server reply does. All keys of one cell run as rows of one batch.
 
-`--facts N` plants N labelled pass keys (one per coloured door) at N depths of one prompt, evenly
-spaced, and asks for them in turn, one per user turn, each answer fed (teacher-forced) before the next
-question: cell "fact k" scores the k-th question over every key set, all of whose keys sit in the
-same pasted document.
+`--facts N` plants N secrets of different kinds (a pass key, a secret city, a secret animal, a
+secret fruit) at N depths of one prompt, evenly spaced, and asks for them in turn, one per user turn,
+each answer fed (teacher-forced) before the next question: cell "fact k" scores the k-th question over
+every set, all of whose secrets sit in the same pasted document.
 
-`--list N` plants N labelled keys the same way and asks for all of them in one answer, in the order of
-the document (aggregation over N places of the prompt): a set counts only when every key and separator
-of the listed answer is reproduced.
+`--list N` plants N secrets the same way and asks for all of them in one answer, in the order of
+the document (aggregation over N places of the prompt): the answer's words between the values ("The
+pass key is", ", the secret city is", ...) are fed as a template, and a set counts only when every
+token of every value is reproduced.
 
 `--chat N ...` asks the way the product is used instead: turn 1 tells the key, then N turns each
 paste ~350 words of the filler and ask for a one-line summary (the assistant's replies are a fixed
@@ -145,86 +148,118 @@ def chat_prompt(gen: Generator, words: list[str], secret: Secret, turns: int, wo
     return Chat(pieces, Item(opening, answer))
 
 
-DOORS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple"]
+# The kinds of secret `--facts` and `--list` plant, each asked for by its own name: keys told apart
+# by labels ("the pass key of the red door") the full cache itself answered 1 time in 10 on
+# SmolLM2-135M, so a several-facts score measured the model, not the cache.
+ANIMALS = ["otter", "falcon", "badger", "walrus", "heron", "bison", "gecko", "panda", "moose", "beaver"]
+FRUITS = ["mango", "plum", "lemon", "cherry", "peach", "melon", "apricot", "guava", "lime", "banana"]
+KINDS = ("pass key", "secret city", "secret animal", "secret fruit")
+
+
+def kind_values(facts: int, seed: int) -> dict[str, str]:
+    """One value per kind of the first `facts` kinds."""
+    rng = random.Random(seed)
+    draw = {"pass key": lambda: str(rng.randrange(10_000, 100_000)), "secret city": lambda: rng.choice(CITIES),
+            "secret animal": lambda: rng.choice(ANIMALS), "secret fruit": lambda: rng.choice(FRUITS)}
+    return {kind: draw[kind]() for kind in KINDS[:facts]}
+
+
+def told(kinds: list[str], article: str = "a") -> str:
+    """"a pass key, a secret city and a secret animal"."""
+    named = [f"{article} {kind}" for kind in kinds]
+    return named[0] if len(named) == 1 else ", ".join(named[:-1]) + f" and {named[-1]}"
+
+
+def segments(gen: Generator, parts: list[tuple[str, bool]]) -> tuple[list[int], tuple[bool, ...]]:
+    """The tokens of the parts' text joined, and per token whether it belongs to an asked part (a
+    value) and is not whitespace alone; the text must tokenize part by part (as it does at spaces)."""
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    tokens, asked, text = [], [], ""
+    for part, ask in parts:
+        text += part
+        now = encode(text)
+        if now[:len(tokens)] != tokens:
+            raise ValueError(f"{text!r} tokenizes differently once {part!r} follows")
+        new = now[len(tokens):]
+        asked += [ask and bool(gen.tokenizer.decode([t]).strip()) for t in new]
+        tokens = now
+    return tokens, tuple(asked)
+
+
+def secrets_document(gen: Generator, filler: list[int], values: dict[str, str]) -> tuple[list[int], int]:
+    """The filler with one needle per kind at depths (i + 0.5) / len(values), in `values` order, and
+    where the first needle starts."""
+    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    document, at = [], 0
+    for i, (kind, value) in enumerate(values.items()):
+        depth = int((i + 0.5) / len(values) * len(filler))
+        document += filler[at:depth] + encode(f" The {kind} is {value}. Remember it. {value} is the {kind}. ")
+        at = depth
+    return document + filler[at:], int(0.5 / len(values) * len(filler))
+
+
+def answer_item(gen: Generator, parts: list[tuple[str, bool]]) -> Item:
+    """An answer made of fed words and asked values: the context runs to the first asked token, the
+    target is the rest (its fed words are teacher-forced, only the asked tokens count)."""
+    tokens, asked = segments(gen, parts)
+    first = asked.index(True)
+    return Item(tokens[:first], tokens[first:], asked=asked[first:])
 
 
 def facts_prompts(gen: Generator, filler: list[int], facts: int, seed: int) -> tuple[list[int], list[Chat]]:
-    """`facts` labelled keys at depths (i + 0.5) / facts of one document, asked for in turn.
+    """`facts` secrets of different kinds (a pass key, a secret city, ...) at depths (i + 0.5) / facts
+    of one document, asked for in turn.
 
-    Returns the tokens before the first needle (shared by every question of this key set) and one
-    Chat per question: the rest of the document turn (whose question is the first), then for each
-    earlier question its answer as the assistant's reply and the next question as a user turn.
+    Returns the tokens before the first needle (shared by every question of this set) and one Chat per
+    question: the rest of the document turn (whose question is the first), then for each earlier
+    question its answer as the assistant's reply and the next question as a user turn.
     """
-    rng = random.Random(seed)
-    doors = DOORS[:facts]
-    keys = {door: rng.randrange(10_000, 100_000) for door in doors}
-    asked = rng.sample(doors, facts)
+    values = kind_values(facts, seed)
+    asked = random.Random(seed + 1).sample(list(values), facts)
     encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     marker = "\x00"
-    intro = (f"There are {facts} pass keys hidden in the text below, one for each of the {', '.join(doors)} doors. "
-             f"Find them and remember them.\n\n{marker}\n\n")
-    question = lambda door: f"What is the pass key of the {door} door?"  # noqa: E731
-    reply = lambda door: f"The pass key of the {door} door is {keys[door]}."  # noqa: E731
-    messages = [{"role": "user", "content": intro + question(asked[0])}]
-    for before, door in zip(asked, asked[1:]):
-        messages += [{"role": "assistant", "content": reply(before)}, {"role": "user", "content": question(door)}]
+    intro = f"There are {facts} secrets hidden in the text below: {told(list(values))}. Find them and remember them.\n\n{marker}\n\n"
+    messages = [{"role": "user", "content": intro + f"What is the {asked[0]}?"}]
+    for before, kind in zip(asked, asked[1:]):
+        messages += [{"role": "assistant", "content": f"The {before} is {values[before]}."},
+                     {"role": "user", "content": f"What is the {kind}?"}]
     render = lambda upto, ask: gen.tokenizer.apply_chat_template(  # noqa: E731
         messages[:upto], tokenize=False, add_generation_prompt=ask)
     head, tail = render(1, True).split(marker)
-    document, first_needle = labelled_document(gen, filler, keys)
+    document, first_needle = secrets_document(gen, filler, values)
     prefix = encode(head) + document[:first_needle]
     turns = [(document[first_needle:] + encode(tail), True)]
     chats, rendered = [], render(1, True)
-    for k, door in enumerate(asked):
+    for k, kind in enumerate(asked):
         if k:
             reply_text, question_text = render(2 * k, False), render(2 * k + 1, True)
             turns = turns + [(encode(reply_text[len(rendered):]), False), (encode(question_text[len(reply_text):]), True)]
             rendered = question_text
-        opening = f"The pass key of the {door} door is"
-        opening_ids, whole = encode(opening), encode(f"{opening} {keys[door]}")
-        answer = whole[len(opening_ids):]
-        if len(answer) > 1 and not gen.tokenizer.decode(answer[:1]).strip():
-            opening_ids, answer = whole[:len(opening_ids) + 1], answer[1:]  # the lone space is forced too
-        chats.append(Chat(list(turns), Item(opening_ids, answer)))
+        chats.append(Chat(list(turns), answer_item(gen, [(f"The {kind} is", False), (f" {values[kind]}", True)])))
     return prefix, chats
 
 
-def labelled_document(gen: Generator, filler: list[int], keys: dict[str, int]) -> tuple[list[int], int]:
-    """The filler with one needle per door at depths (i + 0.5) / len(keys), in `keys` order, and where
-    the first needle starts."""
-    encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    document, at = [], 0
-    for i, (door, key) in enumerate(keys.items()):
-        depth = int((i + 0.5) / len(keys) * len(filler))
-        document += filler[at:depth] + encode(f" The pass key of the {door} door is {key}. Remember it. "
-                                              f"{key} is the pass key of the {door} door. ")
-        at = depth
-    return document + filler[at:], int(0.5 / len(keys) * len(filler))
-
-
 def listing_prompt(gen: Generator, filler: list[int], facts: int, seed: int) -> tuple[list[int], Chat]:
-    """Aggregation: `facts` labelled keys at depths (i + 0.5) / facts of one document, and one question
-    whose answer lists them all, in the order of the document ("The pass keys are 12345, 67890 and
-    24680."): every needle must be found for the answer to count."""
-    rng = random.Random(seed)
-    keys = {door: rng.randrange(10_000, 100_000) for door in DOORS[:facts]}
+    """Aggregation: `facts` secrets of different kinds at depths (i + 0.5) / facts of one document, and
+    one question whose answer names them all in the order of the document ("The pass key is 12345, the
+    secret city is Oslo and the secret animal is otter."): every needle must be found for the answer to
+    count; its words between the values are fed."""
+    values = kind_values(facts, seed)
     encode = lambda text: gen.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     marker = "\x00"
-    content = (f"There are {facts} pass keys hidden in the text below, one for each of the {', '.join(keys)} "
-               f"doors. Find them and remember them.\n\n{marker}\n\nList the {facts} pass keys in the order "
-               f"they appear in the text.")
+    kinds = list(values)
+    content = (f"There are {facts} secrets hidden in the text below: {told(kinds)}. Find them and remember them."
+               f"\n\n{marker}\n\nWhat are {told(kinds, 'the')}?")
     head, tail = gen.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                    add_generation_prompt=True).split(marker)
-    document, first_needle = labelled_document(gen, filler, keys)
-    values = [str(k) for k in keys.values()]
-    listed = ", ".join(values[:-1]) + f" and {values[-1]}." if facts > 1 else f"{values[0]}."
-    opening = "The pass keys are" if facts > 1 else "The pass key is"
-    opening_ids, whole = encode(opening), encode(f"{opening} {listed}")
-    if whole[:len(opening_ids)] != opening_ids:
-        raise ValueError(f"{opening!r} tokenizes differently before the keys")
-    opening_ids, answer = whole[:len(opening_ids) + 1], whole[len(opening_ids) + 1:]  # the space is forced too
+    parts = []
+    for i, kind in enumerate(kinds):
+        joint = "" if i == 0 else (" and the" if i == len(kinds) - 1 else ", the")
+        parts += [(f"{joint} {kind} is" if i else f"The {kind} is", False), (f" {values[kind]}", True)]
+    item = answer_item(gen, parts + [(".", False)])
+    document, first_needle = secrets_document(gen, filler, values)
     turn = document[first_needle:] + encode(tail)
-    return encode(head) + document[:first_needle], Chat([(turn, True)], Item(opening_ids, answer))
+    return encode(head) + document[:first_needle], Chat([(turn, True)], item)
 
 
 def cache_config(spec: str) -> CacheConfig:
@@ -237,9 +272,11 @@ def cache_config(spec: str) -> CacheConfig:
                        recall_budget=int(recall or 0))
 
 
-def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list[Chat], batch: int) -> int:
+def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list[Chat], batch: int,
+             decode_opening: bool = True) -> int:
     """How many chats, each continuing the common `prefix`, have answers greedy decoding reproduces.
-    Chats are fed piece by piece first, user turns with recall."""
+    Chats are fed piece by piece first, user turns with recall; then the answer's opening, one token
+    per pass as a reply is decoded (`decode_opening`), else as one chunk."""
     total = 0
     for start in range(0, len(chats), batch):
         group = chats[start:start + batch]
@@ -247,9 +284,22 @@ def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list
         for i in range(len(group[0].pieces)):
             gen.prefill(cache, [chat.pieces[i][0] for chat in group], recall=group[0].pieces[i][1])
         group = [chat.item for chat in group]
+        if decode_opening:
+            group = decode_openings(gen, cache, group)
         _, hits = score(gen, config, group, cache)
-        total += sum(int(h) == len(item.target) for h, item in zip(hits.tolist(), group))
+        total += sum(int(h) == item.needed for h, item in zip(hits.tolist(), group))
     return total
+
+
+def decode_openings(gen: Generator, cache, items: list[Item]) -> list[Item]:
+    """Feed each item's context but its last token one token per pass (openings of different lengths
+    end together); returns the items with that last token as their context, for `score`."""
+    width = max(len(item.context) for item in items)
+    for t in range(width - 1):
+        pieces = [[item.context[t - width + len(item.context)]] if t >= width - len(item.context) else [] for item in items]
+        if any(pieces):
+            gen.step(cache, pieces)
+    return [Item(item.context[-1:], item.target, item.reference, item.asked) for item in items]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -262,19 +312,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat", type=int, nargs="*", default=None,
                         help="multi-turn instead: numbers of filler turns between telling and asking")
     parser.add_argument("--keys", type=int, default=10, help="keys (or facts) per cell")
-    parser.add_argument("--facts", type=int, default=0, help="labelled keys per prompt, asked for in turn (0: one key)")
+    parser.add_argument("--facts", type=int, default=0, help="secrets of different kinds per prompt, asked for in turn (0: one key)")
     parser.add_argument("--list", type=int, default=0, dest="listing",
-                        help="aggregation instead: this many labelled keys in one prompt, all asked for in one answer")
+                        help="aggregation instead: this many secrets of different kinds in one prompt, all asked for in one answer")
     parser.add_argument("--fact", action="store_true", help="plant a secret city instead of a 5-digit key")
     parser.add_argument("--batch", type=int, default=20, help="rows per forward pass")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--opening", choices=("decode", "prefill"), default="decode",
+                        help="feed the answer's opening one token per pass, as a reply is decoded (default), or as one chunk")
     add_model_args(parser)
     args = parser.parse_args(argv)
     if args.fact and args.keys > len(CITIES):
         parser.error(f"--fact has {len(CITIES)} cities, fewer than --keys {args.keys}")
-    for flag, doors in (("--facts", args.facts), ("--list", args.listing)):
-        if doors and not 1 <= doors <= len(DOORS):
-            parser.error(f"{flag} takes 1..{len(DOORS)}")
+    for flag, n in (("--facts", args.facts), ("--list", args.listing)):
+        if n and not 1 <= n <= len(KINDS):
+            parser.error(f"{flag} takes 1..{len(KINDS)}")
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
@@ -318,15 +370,15 @@ def main(argv: list[str] | None = None) -> None:
                 accuracy[(spec, label)] = None  # the full cache cannot hold more than the model's window
                 continue
             began = time.perf_counter()
-            accuracy[(spec, label)] = recalled(gen, config, prefix, items, args.batch) / len(items)
+            accuracy[(spec, label)] = recalled(gen, config, prefix, items, args.batch, args.opening == "decode") / len(items)
             print(f"{spec} {label}: {accuracy[(spec, label)]:.2f} ({time.perf_counter() - began:.0f} s)",
                   file=sys.stderr, flush=True)
     what = "secret city" if args.fact else "5-digit pass key"
     mode = "multi-turn chat" if args.chat is not None else "one prompt"
     if args.facts:
-        what, mode = f"set of {args.facts} labelled pass keys", "one prompt, asked in turn"
+        what, mode = f"set of {args.facts} secrets (pass key, city, animal, fruit)", "one prompt, asked in turn"
     if args.listing:
-        what, mode = f"list of {args.listing} labelled pass keys", "one prompt, all in one answer"
+        what, mode = f"list of {args.listing} secrets", "one prompt, all in one answer"
     rows = [[label, len(prefix) + max(chat.tokens for chat in items), *(
         "n/a" if accuracy[(spec, label)] is None else f"{accuracy[(spec, label)]:.2f}" for spec in args.caches)]
         for label, prefix, items in cells]

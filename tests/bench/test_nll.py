@@ -33,6 +33,21 @@ def test_full_cache_scores_equal_a_plain_forward_of_the_whole_sequence(tiny_mode
         assert got_hits.item() == (logits.argmax(-1) == target).sum().item()
 
 
+def test_hits_count_only_the_target_tokens_asked_for_and_the_nll_all_of_them(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer)
+    config = CacheConfig(policy="full", prefill_chunk=16)
+    [item] = items([30], target_len=8)
+    nll, hits = score(gen, config, [item])
+    asked = tuple(i % 2 == 0 for i in range(len(item.target)))
+    odd = Item(item.context, item.target, asked=asked)
+    nll_odd, hits_odd = score(gen, config, [odd])
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([item.context + item.target])).logits[0, len(item.context) - 1:-1]
+    right = (logits.argmax(-1) == torch.tensor(item.target)).tolist()
+    assert hits.item() == sum(right) and hits_odd.item() == sum(r for r, a in zip(right, asked) if a)
+    assert torch.equal(nll, nll_odd) and odd.needed == 4 and item.needed == 8
+
+
 def test_h2o_with_a_budget_beyond_the_sequence_equals_full(tiny_model, byte_tokenizer):
     gen = Generator(tiny_model, byte_tokenizer)
     batch = items([40, 25])

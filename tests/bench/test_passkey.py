@@ -77,9 +77,37 @@ def test_a_chat_through_a_recalling_cache_chooses_its_windows(gen, monkeypatch):
     chats = [chat_prompt(gen, [f"w{i}" for i in range(200)], s, turns=2, words_per_turn=20) for s in secrets(2, fact=False)]
     calls = []
     original = recall.choose
-    monkeypatch.setattr(recall, "choose", lambda cache, row, *args: calls.append(row) or original(cache, row, *args))
+    monkeypatch.setattr(recall, "choose", lambda cache, row, *args, **kw: calls.append(row) or original(cache, row, *args, **kw))
     hits = recalled(gen, cache_config("h2o:64+r32"), [], chats, batch=2)
     assert 0 <= hits <= 2 and set(calls) == {0, 1}  # once the archive fills, both rows' chunks choose
+
+
+def test_an_opening_decoded_token_by_token_scores_as_the_opening_fed_as_one_chunk_on_a_full_cache(gen, monkeypatch):
+    import torch
+
+    from h2o_cache.bench.nll import Item, fork, score
+    from h2o_cache.bench.passkey import decode_openings
+
+    probes = [single_prompt(gen, [50] * 40, s, 0.5) for s in secrets(2, fact=False)]
+    prefix, chats = probes[0][0], [chat for _, chat in probes]
+    # openings of different lengths: the second drops its first token
+    items = [Item(chat.item.context[i:], chat.item.target) for i, chat in enumerate(chats)]
+    config = cache_config("full")
+    widths, step = [], gen.step
+    monkeypatch.setattr(gen, "step", lambda cache, pieces: widths.append([len(p) for p in pieces]) or step(cache, pieces))
+    results = []
+    for decode in (False, True):
+        cache = fork(gen, config, prefix, 2)
+        gen.prefill(cache, [chat.pieces[0][0] for chat in chats])
+        widths.clear()
+        scored = decode_openings(gen, cache, items) if decode else items
+        fed = [sum(w[row] for w in widths) for row in range(2)]
+        results.append(score(gen, config, scored, cache))
+    n = len(items[0].context)
+    assert fed == [n - 1, n - 2] and all(max(w) == 1 for w in widths[:n - 1])  # one token per pass, ending together
+    assert widths[0] == [1, 0] and widths[1] == [1, 1]
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def test_targets_compare_each_cache_with_full_at_the_deep_cells():
@@ -92,17 +120,40 @@ def test_targets_compare_each_cache_with_full_at_the_deep_cells():
     assert targets({"h2o:256": [0.5]}) == [] and targets({"full": [None], "h2o:256": [0.5]}) == []
 
 
-def test_a_listing_asks_for_every_key_in_document_order_in_one_answer(gen):
+def test_a_listing_asks_for_every_secret_in_document_order_in_one_answer(gen):
     from h2o_cache.bench.passkey import listing_prompt
 
     filler = [50 + i % 40 for i in range(300)]
     prefix, chat = listing_prompt(gen, filler, 3, seed=4)
     again, _ = listing_prompt(gen, filler, 3, seed=5)
-    assert prefix == again  # the text before the first needle does not depend on the keys
+    assert prefix == again  # the text before the first needle does not depend on the values
     [(turn, is_user)] = chat.pieces
     text = gen.tokenizer.decode(prefix + turn)
-    keys = [int(word) for word in text.replace(".", " ").split() if word.isdigit() and len(word) == 5][::2]
-    assert is_user and len(keys) == 3 and text.index("List the 3 pass keys") > text.index(str(keys[-1]))
+    assert is_user and text.index("What are the pass key, the secret city and the secret animal?") > text.index("is the secret animal.")
+    assert text.index("The pass key is") < text.index("The secret city is") < text.index("The secret animal is")
     answer = gen.tokenizer.decode(chat.item.context + chat.item.target)
-    assert answer == f"The pass keys are {keys[0]}, {keys[1]} and {keys[2]}."
+    key, city, animal = (text.split(f"The {kind} is ")[1].split(".")[0] for kind in ("pass key", "secret city", "secret animal"))
+    assert answer == f"The pass key is {key}, the secret city is {city} and the secret animal is {animal}."
+    asked = "".join(gen.tokenizer.decode([t]) for t, a in zip(chat.item.target, chat.item.asked) if a)
+    assert asked == key + city + animal and chat.item.needed == len(asked)  # the values; the words between are fed
     assert 0 <= recalled(gen, cache_config("h2o:64+r32"), prefix, [chat], batch=1) <= 1
+
+
+def test_several_secrets_are_asked_for_in_turn_each_earlier_answer_fed_as_a_reply(gen):
+    from h2o_cache.bench.passkey import facts_prompts
+
+    filler = [50 + i % 40 for i in range(400)]
+    prefix, chats = facts_prompts(gen, filler, 4, seed=2)
+    assert len(chats) == 4 and prefix == facts_prompts(gen, filler, 4, seed=3)[0]
+    last = chats[-1]
+    text = gen.tokenizer.decode(prefix + [t for piece, _ in last.pieces for t in piece])
+    assert [ask for _, ask in last.pieces] == [True, False, True, False, True, False, True]
+    for kind in ("pass key", "secret city", "secret animal", "secret fruit"):
+        value = text.split(f"The {kind} is ")[1].split(".")[0]
+        assert text.count(f"What is the {kind}?") == 1 and f"{value} is the {kind}." in text
+    for chat in chats:
+        said = gen.tokenizer.decode(chat.item.context)
+        kind = said.removeprefix("The ").removesuffix(" is").removesuffix(" is ")
+        value = text.split(f"The {kind} is ")[1].split(".")[0]
+        assert gen.tokenizer.decode(chat.item.target) == value and chat.item.needed == len(value)
+        assert gen.tokenizer.decode(prefix + chat.pieces[-1][0]).endswith(f"What is the {kind}?\nassistant: ")
