@@ -1,6 +1,6 @@
 """This server against llama-server on the same GGUF file and the same load, in alternating rounds.
 
-    python -m clients.peer_bench --llama-server /work/llama-build/bin/llama-server --rounds 3
+    python -m clients.peer_bench --llama-server ~/llama-build/build/bin/llama-server --rounds 3
 
 Starts both servers on the embedded SmolLM2-135M GGUF (`--model` for another) and, per round, runs
 against each in turn (the order alternates between rounds, so a drift of a shared machine hits both):
@@ -10,10 +10,17 @@ against each in turn (the order alternates between rounds, so a drift of a share
   since llama-server would serve a repeated prompt from its cache.
 Prints every round's figures and the median over rounds of the per-round ratios (ours / llama-server
 for tokens/s; llama-server's / ours for first-token time, so > 1 means ours is better in both).
+On stderr it says each server's start and each measure as it is taken, so a slow run shows where it is.
 With `--ours-url` and `--llama-url` it measures servers that are already running instead.
 
 llama-server is not installed by this project: see the README for building it from the
 llama-cpp-python sdist. It runs with `-np 8 -kvu -t T -tb T -c 16384` (T = `--threads`).
+
+Use a quiet machine, or `--threads 1` beside other work: with 2 threads on 2 cores each decode step of
+either server waits for a thread the other work has descheduled, and both crawl (2026-11-25, one
+other busy process: llama-server 132 tokens/s at 1 stream with -t 1, 1.3 with -t 2). That is why a
+3-round run on the busy machine printed nothing in 560 s: a round prints when it ends, and its first
+one alone would have taken well over 10 minutes. The program warns when the load average says so.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -83,17 +91,43 @@ async def throughput(url: str, streams: int, requests: int, max_tokens: int, see
     return sum(made) / (time.perf_counter() - began)
 
 
+async def first_token(url: str, prompt: str) -> float:
+    """Seconds to the first token of `prompt`, a one-token reply."""
+    return (await request(url, prompt, 1))[1]
+
+
+def note(message: str) -> None:
+    """Progress on stderr, flushed: a round can take minutes, and a run cut short must show how far it got."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def contention_warning(threads: int, load: float, cores: int) -> str | None:
+    """Why this run may crawl, or None. Each server's threads meet at a barrier every step, so when
+    other work (the 1-minute load average, taken before either server starts) leaves fewer free cores
+    than `threads`, each step waits for a descheduled thread: 10-100x slower, both servers alike."""
+    if threads > 1 and load > cores - threads + 0.5:
+        return (f"load average {load:.1f} on {cores} cores: other work is running, and with --threads {threads} "
+                f"both servers will be many times slower than alone; use a quiet machine or --threads 1")
+    return None
+
+
 def measure_round(urls: dict[str, str], round_: int, streams: list[int], requests: int, max_tokens: int,
                   long_words: int) -> dict[str, dict[str, float]]:
     """{server: {measure: value}} for one round; servers run one after the other, the order alternating."""
     order = list(urls) if round_ % 2 == 0 else list(urls)[::-1]
     result: dict[str, dict[str, float]] = {name: {} for name in urls}
+
+    def take(name: str, measure: str, work) -> None:
+        began = time.perf_counter()
+        result[name][measure] = value = asyncio.run(work)
+        note(f"round {round_ + 1} {name}: {measure} {value:.3g} ({time.perf_counter() - began:.0f} s)")
+
     for n in streams:
         for name in order:
-            result[name][f"{n} streams tok/s"] = asyncio.run(throughput(urls[name], n, requests, max_tokens, round_))
+            take(name, f"{n} streams tok/s", throughput(urls[name], n, requests, max_tokens, round_))
     for k, name in enumerate(order):
         prompt = long_prompt(long_words, seed=1000 * round_ + k + 1)
-        result[name]["first token s"] = asyncio.run(request(urls[name], prompt, 1))[1]
+        take(name, "first token s", first_token(urls[name], prompt))
     return result
 
 
@@ -157,20 +191,28 @@ def main(argv: list[str] | None = None) -> int:
         print("no llama-server: pass --llama-server PATH (see the README for building it)", file=sys.stderr)
         return 2
     gguf = args.model or default_gguf()
+    if not (args.ours_url and args.llama_url):
+        warning = contention_warning(args.threads, os.getloadavg()[0], os.cpu_count() or 1)
+        if warning:
+            note(f"warning: {warning}")
     procs = []
     try:
         urls = {}
+        began = time.perf_counter()
         if args.ours_url:
             urls[OURS] = args.ours_url
         else:
             proc, urls[OURS] = start_server(["--model", str(gguf), "--state-dir", "", "--threads", str(args.threads)],
                                             args.log_dir / "peer-ours.log")
             procs.append(proc)
+            note(f"{OURS} ready at {urls[OURS]} in {time.perf_counter() - began:.0f} s")
+        began = time.perf_counter()
         if args.llama_url:
             urls[PEER] = args.llama_url
         else:
             proc, urls[PEER] = start_llama_server(args.llama_server, gguf, args.threads, args.log_dir / "peer-llama.log")
             procs.append(proc)
+            note(f"{PEER} ready at {urls[PEER]} in {time.perf_counter() - began:.0f} s")
         rounds = []
         for r in range(args.rounds):
             rounds.append(measure_round(urls, r, args.streams, args.requests, args.max_tokens, args.long_words))

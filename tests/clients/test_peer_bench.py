@@ -1,10 +1,14 @@
 """The peer benchmark's logic against two fake servers, one slower: rounds, ratios, fresh prompts."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 
 from clients import peer_bench
 from clients.peer_bench import OURS, PEER, long_prompt, measure_round, ratio
-from tests.clients.conftest import serve
+from tests.clients.conftest import REPO, serve
 from tests.clients.fake_server import make_app
 
 
@@ -40,3 +44,39 @@ def test_without_llama_server_it_says_how_to_get_one(monkeypatch, capsys):
     monkeypatch.setattr(peer_bench.shutil, "which", lambda name: None)
     assert peer_bench.main([]) == 2
     assert "README" in capsys.readouterr().err
+
+
+def test_two_threads_beside_other_work_are_warned_of_one_thread_or_a_quiet_machine_not():
+    assert "--threads 1" in peer_bench.contention_warning(threads=2, load=1.0, cores=2)
+    assert peer_bench.contention_warning(threads=2, load=0.1, cores=2) is None
+    assert peer_bench.contention_warning(threads=1, load=1.0, cores=2) is None
+
+
+def test_every_measure_is_told_on_stderr_as_it_is_taken(capsys):
+    server, url = serve(make_app(delay=0.001))
+    try:
+        measure_round({OURS: url, PEER: url}, 1, [1, 2], 1, 4, 30)
+    finally:
+        server.should_exit = True
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 6 and all(line.startswith("round 2 ") for line in lines)
+    assert lines[0].startswith(f"round 2 {PEER}: 1 streams tok/s ") and lines[-1].startswith(f"round 2 {OURS}: first token s ")
+
+
+def test_a_round_reaches_a_pipe_when_it_ends_not_when_the_program_does():
+    """Piped stdout is block-buffered: without a flush, a run stopped by a time limit shows nothing."""
+    server, url = serve(make_app(delay=0.02))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "clients.peer_bench", "--ours-url", url, "--llama-url", url,
+                                 "--rounds", "4", "--streams", "1", "--requests", "1", "--max-tokens", "10",
+                                 "--long-words", "30"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                cwd=REPO, env=env)
+        first = proc.stdout.readline()
+        arrived = time.monotonic()
+        proc.communicate(timeout=60)
+        ended = time.monotonic()
+    finally:
+        server.should_exit = True
+    assert first.startswith("round 1: ") and proc.returncode == 0
+    assert ended - arrived > 0.5  # three rounds of >= 4 requests of 10 tokens at 20 ms each were still to run
