@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="threads of each server")
     parser.add_argument("--log-dir", type=Path, default=Path("."), help="where the servers' logs go")
     args = parser.parse_args(argv)
+    for flag, value in (("--rounds", args.rounds), ("--requests", args.requests), ("--max-tokens", args.max_tokens),
+                        ("--long-words", args.long_words), ("--threads", args.threads), *(("--streams", n) for n in args.streams)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1")
     if not (args.llama_url or args.llama_server):
         print("no llama-server: pass --llama-server PATH (see the README for building it)", file=sys.stderr)
         return 2

@@ -80,3 +80,14 @@ def test_a_round_reaches_a_pipe_when_it_ends_not_when_the_program_does():
         server.should_exit = True
     assert first.startswith("round 1: ") and proc.returncode == 0
     assert ended - arrived > 0.5  # three rounds of >= 4 requests of 10 tokens at 20 ms each were still to run
+
+
+def test_a_count_below_one_is_refused_at_the_command_line_not_a_crash_after_the_servers_start(capsys):
+    for flag in ("--rounds", "--requests", "--streams"):
+        try:
+            peer_bench.main(["--ours-url", "http://x", "--llama-url", "http://y", flag, "0"])
+        except SystemExit as stop:
+            assert stop.code == 2
+        else:
+            raise AssertionError(f"{flag} 0 was taken")
+        assert f"{flag} must be at least 1" in capsys.readouterr().err
