@@ -36,7 +36,7 @@ def build_engine(settings: ServerSettings) -> Engine:
     model, tokenizer = load_model(settings.model, settings.device, settings.dtype)
     if prefill_dtype(settings.prefill_dtype, model) == torch.bfloat16 and model.dtype == torch.float32:
         use_bf16_prefill(model)
-        log.info("prefill's products in bf16 (--prefill-dtype %s), decode steps in float32", settings.prefill_dtype)
+        log.info("prefill's MLP products in bf16 (--prefill-dtype %s), the rest and decode steps in float32", settings.prefill_dtype)
     # Only the `full` policy is bounded by the model's context; evicting policies roll positions.
     context_window = getattr(model.config, "max_position_embeddings", None)
     cache_config = settings.cache_config()

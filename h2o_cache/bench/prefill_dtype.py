@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     args.prefill_dtype = "float32"  # the switch below is what this bench turns
     model, tokenizer = load(args)
     switch = use_bf16_prefill(model)
-    config = CacheConfig(prefill_chunk=256, recall_budget=128)  # the server's defaults
+    config = CacheConfig(prefill_chunk=64, recall_budget=128)  # the server's defaults
     gen = Generator(model, tokenizer, config)
 
     items, _ = load_items(gen, args.data, args.articles, args.max_prompt_tokens)

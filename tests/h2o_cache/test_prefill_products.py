@@ -34,6 +34,10 @@ def test_prefill_logits_move_by_bf16_rounding_and_one_token_steps_not_at_all():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     switch = use_bf16_prefill(model)
     assert switch.layers and model.state_dict().keys() == state.keys()  # the bf16 copies are not saved
+    attention = model.get_decoder().layers[0].self_attn
+    assert not any(hasattr(getattr(attention, name), "bf16_weight")
+                   for name in ("q_proj", "k_proj", "v_proj", "o_proj"))  # the attention's stay fp32
+    assert len(switch.layers) == 3 * len(model.get_decoder().layers)
     prompt = [[(7 * i) % 120 + 3 for i in range(40)]]
     outputs = {}
     for name, m in (("fp32", reference), ("bf16", model)):

@@ -60,6 +60,15 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     assert (config.recall_budget, config.recall_block, config.recall_archive, config.recall_probe) == (64, 8, 4096, 32)
 
 
+def test_prompts_are_fed_in_quarter_budget_chunks_with_recall_and_256_without_unless_told():
+    assert parse().cache_config().prefill_chunk == 64  # budget 256, recall on
+    assert parse("--kv-budget", "1024").cache_config().prefill_chunk == 256
+    assert parse("--recall-budget", "0").cache_config().prefill_chunk == 256
+    assert parse("--policy", "full").cache_config().prefill_chunk == 256
+    assert parse("--prefill-chunk", "100").cache_config().prefill_chunk == 100
+    assert parse("--kv-budget", "2").cache_config().prefill_chunk == 1
+
+
 def test_api_key_is_repeatable_and_environment_variables_work(monkeypatch):
     assert parse("--api-key", "a", "--api-key", "b").api_key == ["a", "b"]
     monkeypatch.setenv("H2O_KV_BUDGET", "99")
