@@ -126,10 +126,10 @@ async def test_a_failed_recall_fails_only_its_own_request(make_engine, monkeypat
     assert bobs is not None  # the first turn evicted: the next one chooses windows
     choose = recall.choose
 
-    def failing_choose(cache, row, *args):
+    def failing_choose(cache, row, *args, **kwargs):
         if cache.archives[row] is bobs:
             raise RuntimeError("injected recall failure")
-        return choose(cache, row, *args)
+        return choose(cache, row, *args, **kwargs)
 
     expected = recall_engine(make_engine)
     control = await collect(await expected.submit(ask(TURNS[0], greedy(20), owner="ann")))
