@@ -46,10 +46,10 @@ def native_bf16(cpuinfo: str | None = None) -> bool:
 def prefill_dtype(name: str, model: nn.Module) -> torch.dtype:
     """The dtype of prefill's products for `name` (auto, float32 or bfloat16) and a loaded model:
     auto is bf16 for an fp32 model on a CPU with native bf16, else the model's own dtype."""
-    own = next(model.parameters()).dtype
+    weight = next(model.parameters())
     if name == "auto":
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        return torch.bfloat16 if own == torch.float32 and on_cpu and native_bf16() else own
+        on_cpu = weight.device.type == "cpu"
+        return torch.bfloat16 if weight.dtype == torch.float32 and on_cpu and native_bf16() else weight.dtype
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if name not in dtypes:
         raise ValueError(f"unknown prefill dtype {name!r}; choose auto, float32 or bfloat16")
@@ -78,6 +78,14 @@ def use_bf16_prefill(model: nn.Module, parts: tuple[str, ...] = ("mlp",)) -> Bf1
             module.forward = types.MethodType(_forward(switch), module)
             switch.layers.append(module)
     return switch
+
+
+def apply_prefill_dtype(model: nn.Module, name: str) -> Bf16Prefill | None:
+    """Give an fp32 model bf16 MLP products in prefill when `name` (`prefill_dtype`) says bf16; the
+    switch, or None where nothing changed (an fp32 prefill, or a model already in bf16 or fp16)."""
+    if prefill_dtype(name, model) == torch.bfloat16 and next(model.parameters()).dtype == torch.float32:
+        return use_bf16_prefill(model)
+    return None
 
 
 def _forward(switch: Bf16Prefill):

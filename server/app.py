@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from h2o_cache import load_model
 from h2o_cache.loading import model_name
-from h2o_cache.prefill_products import prefill_dtype, use_bf16_prefill
+from h2o_cache.prefill_products import apply_prefill_dtype
 from server.engine import Engine
 from server.errors import install_error_handlers
 from server.metrics import CountResponses, RequestCounter, registry
@@ -34,8 +34,7 @@ def build_engine(settings: ServerSettings) -> Engine:
     """Load the model and start an engine on it (seconds to minutes: runs off the event loop)."""
     torch.set_num_threads(settings.torch_threads())
     model, tokenizer = load_model(settings.model, settings.device, settings.dtype)
-    if prefill_dtype(settings.prefill_dtype, model) == torch.bfloat16 and model.dtype == torch.float32:
-        use_bf16_prefill(model)
+    if apply_prefill_dtype(model, settings.prefill_dtype):
         log.info("prefill's MLP products in bf16 (--prefill-dtype %s), the rest and decode steps in float32", settings.prefill_dtype)
     # Only the `full` policy is bounded by the model's context; evicting policies roll positions.
     context_window = getattr(model.config, "max_position_embeddings", None)

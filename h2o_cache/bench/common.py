@@ -23,20 +23,18 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are compared on 2)")
     parser.add_argument("--prefill-dtype", default="float32", choices=("auto", "float32", "bfloat16"),
-                        help="dtype of prefill's products (the server's default is auto: bf16 where the CPU has it); "
+                        help="dtype of prefill's MLP products (the server's default is auto: bf16 where the CPU has it); "
                              "the benches measure the fp32 model unless told")
 
 
 def load(args: argparse.Namespace):
     """(model, tokenizer) as chosen by the options of `add_model_args`."""
     from h2o_cache import load_model
-
-    from h2o_cache.prefill_products import prefill_dtype, use_bf16_prefill
+    from h2o_cache.prefill_products import apply_prefill_dtype
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    if prefill_dtype(getattr(args, "prefill_dtype", "float32"), model) == torch.bfloat16 and model.dtype == torch.float32:
-        use_bf16_prefill(model)
+    apply_prefill_dtype(model, getattr(args, "prefill_dtype", "float32"))
     return model, tokenizer
 
 

@@ -22,10 +22,9 @@ import torch
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
 from h2o_cache.bench.nll import load_items, score
+from h2o_cache.bench.passkey import FILLER_START
 from h2o_cache.bench.stats import ratio_of_sums_difference
 from h2o_cache.prefill_products import native_bf16, use_bf16_prefill
-
-FILLER_START = 2000  # tokens of botchan.txt skipped (its Project Gutenberg header)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.prefill_products import native_bf16, prefill_dtype, use_bf16_prefill
+from h2o_cache.prefill_products import apply_prefill_dtype, native_bf16, prefill_dtype, use_bf16_prefill
 from tests.conftest import ByteTokenizer, tiny_llama
 
 ZEN5 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 vaes\n"
@@ -74,3 +74,10 @@ def test_one_token_rows_take_the_fp32_product_exactly():
     many = torch.randn(1, 6, linear.in_features)
     assert linear(many).dtype == torch.float32
     assert not torch.equal(linear(many), torch.nn.functional.linear(many, linear.weight))
+
+
+def test_apply_gives_only_an_fp32_model_told_bf16_the_switch():
+    assert apply_prefill_dtype(tiny_llama(), "float32") is None
+    assert apply_prefill_dtype(tiny_llama().to(torch.bfloat16), "bfloat16") is None
+    switch = apply_prefill_dtype(tiny_llama(), "bfloat16")
+    assert switch is not None and switch.enabled and switch.layers
