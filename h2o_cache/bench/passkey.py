@@ -37,7 +37,7 @@ import argparse
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 
@@ -262,14 +262,29 @@ def listing_prompt(gen: Generator, filler: list[int], facts: int, seed: int) -> 
     return encode(head) + document[:first_needle], Chat([(turn, True)], item)
 
 
-def cache_config(spec: str) -> CacheConfig:
-    """`full`, `policy:budget` or `policy:budget+rN` (recall budget N)."""
+def cache_config(spec: str, settings: dict[str, str] | None = None) -> CacheConfig:
+    """`full`, `policy:budget` or `policy:budget+rN` (recall budget N); `settings` (FIELD: VALUE, from
+    `--set`) override CacheConfig fields of an evicting cache, each parsed as the field's default is."""
     policy, _, budget = spec.partition(":")
     if policy == "full":
         return CacheConfig(policy="full", prefill_chunk=FULL_CHUNK)
     budget, _, recall = budget.partition("+r")
-    return CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4),
-                       recall_budget=int(recall or 0))
+    config = CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4),
+                         recall_budget=int(recall or 0))
+    return replace(config, **{name: _parse_field(name, value) for name, value in (settings or {}).items()})
+
+
+def _parse_field(name: str, value: str):
+    """A `--set` value as CacheConfig's field `name` takes it: int, float, bool or str; `none` for None."""
+    known = {f.name: f for f in fields(CacheConfig)}
+    if name not in known:
+        raise ValueError(f"--set: CacheConfig has no field {name!r} (fields: {', '.join(known)})")
+    if value.lower() == "none":
+        return None
+    kind = known[name].type.split("|")[0].strip()
+    if kind == "bool":
+        return value.lower() in ("1", "true", "yes", "on")
+    return {"int": int, "float": float}.get(kind, str)(value)
 
 
 def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list[Chat], batch: int,
@@ -320,8 +335,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--opening", choices=("decode", "prefill"), default="decode",
                         help="feed the answer's opening one token per pass, as a reply is decoded (default), or as one chunk")
+    parser.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                        help="override CacheConfig fields of the evicting caches, e.g. --set recall_interval=1")
     add_model_args(parser)
     args = parser.parse_args(argv)
+    try:
+        settings = dict(item.split("=", 1) for item in args.set)
+        for spec in args.caches:
+            cache_config(spec, settings)
+    except ValueError as error:
+        parser.error(str(error))
     if args.fact and args.keys > len(CITIES):
         parser.error(f"--fact has {len(CITIES)} cities, fewer than --keys {args.keys}")
     for flag, n in (("--facts", args.facts), ("--list", args.listing)):
@@ -363,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
                     deep.append(cells[-1][0])
     accuracy: dict[tuple[str, str], float | None] = {}
     for spec in args.caches:
-        config = cache_config(spec)
+        config = cache_config(spec, settings)
         for label, prefix, items in cells:
             longest = len(prefix) + max(chat.tokens + len(chat.item.target) for chat in items)
             if not config.evicts and window and longest > window:

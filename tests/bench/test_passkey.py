@@ -94,7 +94,7 @@ def test_an_opening_decoded_token_by_token_scores_as_the_opening_fed_as_one_chun
     items = [Item(chat.item.context[i:], chat.item.target) for i, chat in enumerate(chats)]
     config = cache_config("full")
     widths, step = [], gen.step
-    monkeypatch.setattr(gen, "step", lambda cache, pieces: widths.append([len(p) for p in pieces]) or step(cache, pieces))
+    monkeypatch.setattr(gen, "step", lambda cache, pieces, ahead=None: widths.append([len(p) for p in pieces]) or step(cache, pieces, ahead))
     results = []
     for decode in (False, True):
         cache = fork(gen, config, prefix, 2)
@@ -157,3 +157,12 @@ def test_several_secrets_are_asked_for_in_turn_each_earlier_answer_fed_as_a_repl
         value = text.split(f"The {kind} is ")[1].split(".")[0]
         assert gen.tokenizer.decode(chat.item.target) == value and chat.item.needed == len(value)
         assert gen.tokenizer.decode(prefix + chat.pieces[-1][0]).endswith(f"What is the {kind}?\nassistant: ")
+
+
+def test_set_overrides_cache_config_fields_by_their_types_and_names_the_unknown():
+    config = cache_config("h2o:256+r128", {"recall_queries": "none", "recall_ahead": "true", "recall_interval": "1",
+                                           "heavy_ratio": "0.25"})
+    assert (config.recall_queries, config.recall_ahead, config.recall_interval, config.heavy_ratio) == (None, True, 1, 0.25)
+    assert config.budget == 256 and config.prefill_chunk == 64  # the spec's own fields stay
+    with pytest.raises(ValueError, match="no field 'recall_query'"):
+        cache_config("h2o:256", {"recall_query": "8"})
