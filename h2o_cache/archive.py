@@ -176,7 +176,7 @@ class Archive:
 
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, blocks: int, layers: slice = slice(None),
-               everywhere: bool = False) -> torch.Tensor:
+               everywhere: bool = False, per_layer: bool = False) -> torch.Tensor:
         """The `blocks` full blocks each KV head of `layers` would attend to most, for `queries`.
 
         queries: [L', H_kv, Q, D] before RoPE (L' = the layers of `layers`), the Q queries that share
@@ -187,7 +187,8 @@ class Archive:
         the layers and heads of `layers`, and each head takes the `blocks` candidates whose tokens'
         positions drew the most; `everywhere`: the `blocks` of all its blocks whose tokens' positions
         drew the most (`block_votes`), for a choice that pools many heads (a decode step's, over all
-        layers), where one head's bound missing a fact must not keep it from the head.
+        layers), where one head's bound missing a fact must not keep it from the head; `per_layer` (not
+        with `everywhere`): the votes pool over each layer's own heads only, as if each layer chose alone.
         Returns [L', H_kv, blocks] int64 block indices, ascending; blocks <= full_blocks.
         """
         lo, hi = self._digests()
@@ -202,7 +203,7 @@ class Archive:
                 votes = position_votes(mass, origins.to(device), POSITIONS).cpu()
                 full = lo.shape[2] * self.block
                 return top_blocks(block_votes(votes, self._data["origins"][layers, :, :full], self.block), blocks).sort(dim=-1).values
-            mass = pool_by_position(mass, origins.to(device), POSITIONS)
+            mass = pool_by_position(mass, origins.to(device), POSITIONS, per_layer)
             candidates = top_blocks(block_mass(mass, self.block).cpu(), blocks, candidates)
         return candidates.sort(dim=-1).values
 

@@ -14,10 +14,12 @@ they are read, so the query of slot n sees its keys at distances 1..n, never mor
 With `recall_budget`, evicted tokens move to the row's `Archive` instead of being dropped, and the
 row's first slots are a window onto it (`h2o_cache.recall`). A prefill chunk (a pass that feeds some
 row more than one token) first fills each layer and KV head's window with the archived blocks its
-own queries point at, layer by layer. Every pass keeps each fed row's last queries; they choose the
-window again, pooled over all layers, at the start of each of the row's first `recall_burst` decode
-passes after a prefill and then of every `recall_interval`-th (`choose_due`), before anything of that
-pass is fed. The fast step (`StaticDecoder`) does the same, so both paths keep the same tokens, and a
+own queries point at, layer by layer; with `recall_ahead`, a chunk of a prompt's body
+(`begin(ahead=...)`) is instead given, before its pass, what its previous chunk's queries point at,
+all layers in one choice. Every
+pass keeps each fed row's last queries; they choose the window again, pooled over all layers, at the
+start of each of the row's first `recall_burst` decode passes after a prefill and then of every
+`recall_interval`-th (`choose_due`), before anything of that pass is fed. The fast step (`StaticDecoder`) does the same, so both paths keep the same tokens, and a
 choice that fails fails before its pass: a retry never feeds a token twice.
 """
 
@@ -62,8 +64,10 @@ class _Step:
     uniform_start: int | None  # all rows write at the same slots: plain slice writes
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
+    hidden: torch.Tensor | None  # ~mask (True = not attended), computed once for every layer
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
     fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
+    chosen: set[int] | None = None  # rows whose window this pass's chunk was given before it (with recall)
 
 
 class H2OCache:
@@ -90,7 +94,8 @@ class H2OCache:
     budget; `windows[b]`, which archive blocks the window holds (None: unknown); `recall_count[b]`,
     tokens (summed over layers and heads) copied into the window so far; `decoded[b]`, its decode
     passes since its last prefill chunk; `due[b]`, whether its
-    window is to be chosen by `_queries` before its next decode pass.
+    window is to be chosen by `_queries` before its next decode pass; `ahead[b]`, [L, H_q, q, D] fp32,
+    the choosing queries (`recall_queries` of them) of its last prefill chunk, None after a decode pass.
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
@@ -107,6 +112,7 @@ class H2OCache:
         self.recall_count: list[int] = []
         self.due: list[bool] = []
         self.decoded: list[int] = []  # decode passes since the row's last prefill chunk (with recall)
+        self.ahead: list[torch.Tensor | None] = []  # the queries of the row's last prefill chunk (with recall)
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
@@ -133,6 +139,7 @@ class H2OCache:
         self.recall_count += [0] * n
         self.due += [False] * n
         self.decoded += [0] * n
+        self.ahead += [None] * n
 
     def extend(self, other: H2OCache, move: bool = False) -> None:
         """Append the rows of `other` (same model and config) after this cache's rows.
@@ -157,6 +164,7 @@ class H2OCache:
         self.recall_count += other.recall_count
         self.due += other.due
         self.decoded += other.decoded
+        self.ahead += other.ahead  # never written in place: a pass gives its rows new tensors
 
     def pop(self, row: int) -> H2OCache:
         """Remove one row and return it as a cache of its own; the last row takes its place."""
@@ -167,10 +175,10 @@ class H2OCache:
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
         single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
         single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
-        single.due, single.decoded = [self.due[row]], [self.decoded[row]]
+        single.due, single.decoded, single.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
         last = self.batch_size - 1
         per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows,
-                   self.recall_count, self.due, self.decoded)
+                   self.recall_count, self.due, self.decoded, self.ahead)
         if row != last:
             self._copy_row(row, self, last, self.lengths[last])
             for rows in per_row:
@@ -238,24 +246,33 @@ class H2OCache:
 
     # ----- one forward pass -------------------------------------------------------------------
 
-    def begin(self, n_new: list[int]) -> torch.Tensor:
+    def begin(self, n_new: list[int], ahead: list[bool] | None = None) -> torch.Tensor:
         """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)).
 
         Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
         With recall, before a prefill chunk, rows whose archive gained blocks first widen their window
-        (`recall.grow`); before a decode pass, rows whose choice is due make it (`choose_due`).
+        (`recall.grow`); a row whose chunk is of a prompt's body (ahead[b], with `recall_ahead`) then
+        takes the window its previous chunk's queries choose (`ahead[b]`), all layers in one choice
+        (each layer's heads pooling alone), and the other chunks choose layer by layer in the pass (`attend`); before a decode
+        pass, rows whose choice is due make it (`choose_due`).
         """
         if len(n_new) != self.batch_size:
             raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
         chunk = max(n_new)
-        fed = None
+        fed = chosen = None
         if self.config.recalls:
-            fed = [row for row, n in enumerate(n_new) if n]
+            fed, chosen = [row for row, n in enumerate(n_new) if n], set()
             # A row given one token decodes, whatever the others are given, so that it evolves as alone.
             for row in fed:
                 if n_new[row] > 1:
                     recall.grow(self, row)
-                    self.due[row] = False  # the chunk chooses with its own queries
+                    self.due[row] = False  # the chunk chooses, with its own queries or its previous chunk's
+                    if ahead is not None and ahead[row] and self.config.recall_ahead and self.ahead[row] is not None:
+                        recall.choose(self, row, self.ahead[row], self.spec.scaling, per_layer=True)
+                        chosen.add(row)
+                    self.ahead[row] = torch.empty(self.spec.num_layers, self.spec.num_heads,
+                                                  len(range(n_new[row])[self._choosing(n_new[row])]), self.spec.head_dim,
+                                                  device=self.spec.device)
             self.choose_due([row for row in fed if n_new[row] == 1])
         device = self.spec.device
         starts = torch.tensor(self.lengths, device=device)
@@ -283,8 +300,9 @@ class H2OCache:
         self._step = _Step(
             n_new=list(n_new), positions=positions, write_slots=write_slots,
             uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, query_valid=query_valid,
+            kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask, query_valid=query_valid,
             fed=None if fed is None else upload([fed, [n_new[row] - 1 for row in fed]], device),
+            chosen=chosen,
         )
         return positions
 
@@ -338,8 +356,7 @@ class H2OCache:
             # the next decode pass chooses by them, pooled over every layer.
             rows, last = step.fed
             self._queries[layer_idx, rows] = plain[rows, :, last].to(self._queries.dtype)
-            if any(self.recalled):
-                self._choose(layer_idx, plain, scaling)
+            self._choose(layer_idx, plain, scaling)
         if not self.policy.needs_scores:
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
@@ -351,7 +368,7 @@ class H2OCache:
         logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).mul_(scaling)
         logits = logits.view(b, h_kv, group, c, k)
         if step.mask is not None:
-            logits = logits.masked_fill(~step.mask[:, :, None], float("-inf"))
+            logits.masked_fill_(step.hidden[:, :, None], float("-inf"))
         probs = logits.softmax(dim=-1)
         self._scores[layer_idx][:b, :, :k] += accumulate_scores(probs, step.query_valid)
         out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
@@ -364,11 +381,23 @@ class H2OCache:
         return unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
 
     def _choose(self, layer: int, plain: torch.Tensor, scaling: float) -> None:
-        """Fill the recall window of `layer` in every row that has one with what this chunk's real queries
-        ([B, H_q, C, D] before RoPE, fp32) point at."""
-        for row, n in enumerate(self._step.n_new):
-            if n > 1 and self.recalled[row]:
-                recall.choose(self, row, plain[row:row + 1, :, :n], scaling, slice(layer, layer + 1))
+        """Keep each prefill row's choosing queries of `layer` (`ahead`), and fill the recall window of
+        `layer` in every such row that has one and was not given it before the pass with what this
+        chunk's real queries ([B, H_q, C, D] before RoPE, fp32) point at."""
+        step = self._step
+        for row, n in enumerate(step.n_new):
+            if n > 1:
+                queries = plain[row:row + 1, :, self._choosing(n)]
+                self.ahead[row][layer] = queries[0]
+                if self.recalled[row] and row not in step.chosen:
+                    recall.choose(self, row, queries, scaling, slice(layer, layer + 1))
+
+    def _choosing(self, n: int) -> slice:
+        """Which of a chunk's n queries choose: `recall_queries` of them, evenly spaced, ending at the last
+        (a slice: indexing by a host list would upload it to a device)."""
+        most = self.config.recall_queries
+        stride = 1 if most is None or n <= most else -(-n // most)
+        return slice((n - 1) % stride, n, stride)
 
     @torch.no_grad()
     def end(self) -> None:
@@ -399,6 +428,8 @@ class H2OCache:
             # there), then every `recall_interval`-th.
             burst, interval = self.config.recall_burst, self.config.recall_interval
             for row, n in enumerate(n_new):
+                if n == 1:
+                    self.ahead[row] = None
                 if n:
                     self.decoded[row] = self.decoded[row] + 1 if n == 1 else 0
                     k = self.decoded[row]
@@ -433,6 +464,10 @@ class H2OCache:
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""
+        if self._step is not None and self._step.chosen is not None:
+            for row, n in enumerate(self._step.n_new):
+                if n > 1:
+                    self.ahead[row] = None  # partly written: the next chunk chooses with its own queries
         self._step = None
 
     # ----- accounting -----------------------------------------------------------------------

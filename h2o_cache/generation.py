@@ -64,7 +64,9 @@ class Generator:
 
         recall: tokens are a new turn's prompt; with a cache that recalls, its last `recall_probe`
         tokens (where the question usually is) are fed as chunks of their own, so that their queries
-        alone choose the recall window the reply starts with (every chunk chooses its own).
+        alone choose the recall window the reply starts with (with `recall_ahead`, the chunks before
+        them take the window their previous chunk's queries chose: one choice per chunk, not one per
+        layer).
         Returns fp32 logits after each row's last token [B, V]. Every row needs >= 1 token.
         """
         if any(not t for t in tokens):
@@ -73,25 +75,27 @@ class Generator:
             tail = cache.config.recall_probe
             heads = [t[:-tail] for t in tokens]
             if any(heads):
-                self._prefill(cache, heads)
+                self._prefill(cache, heads, ahead=True)
             tokens = [t[-tail:] for t in tokens]
         return torch.stack(self._prefill(cache, tokens))
 
-    def _prefill(self, cache: H2OCache, tokens: list[list[int]]) -> list[torch.Tensor | None]:
-        """Logits after each row's last token; None for rows given no tokens."""
+    def _prefill(self, cache: H2OCache, tokens: list[list[int]], ahead: bool = False) -> list[torch.Tensor | None]:
+        """Logits after each row's last token; None for rows given no tokens. ahead: the tokens are a
+        prompt's body (its chunks may take the window their previous chunk chose, `H2OCache.begin`)."""
         chunk = cache.config.prefill_chunk
         last: list[torch.Tensor | None] = [None] * len(tokens)
         for start in range(0, max(map(len, tokens)), chunk):
             pieces = [t[start:start + chunk] for t in tokens]
-            logits = self.step(cache, pieces)
+            logits = self.step(cache, pieces, [ahead] * len(pieces) if ahead else None)
             for b, piece in enumerate(pieces):
                 if piece:
                     last[b] = logits[b]
         return last
 
-    def step(self, cache: H2OCache, pieces: list[list[int]]) -> torch.Tensor:
-        """One forward pass: row b takes pieces[b] (may be empty). Returns last-token logits [B, V]."""
-        return forward(self.model, cache, *self._padded(pieces))
+    def step(self, cache: H2OCache, pieces: list[list[int]], ahead: list[bool] | None = None) -> torch.Tensor:
+        """One forward pass: row b takes pieces[b] (may be empty); ahead[b]: pieces[b] is of a prompt's
+        body, not its tail (`H2OCache.begin`). Returns last-token logits [B, V]."""
+        return forward(self.model, cache, *self._padded(pieces), ahead=ahead)
 
     def _padded(self, pieces: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         width = max(map(len, pieces))

@@ -145,12 +145,14 @@ def forward(
     input_ids: torch.Tensor,
     n_new: list[int],
     all_logits: bool = False,
+    ahead: list[bool] | None = None,
 ) -> torch.Tensor:
     """One pass feeding input_ids [B, C] (row b: its first n_new[b] tokens are real) through the cache.
+    ahead[b]: row b's tokens are of a prompt's body, not its tail (`H2OCache.begin`).
 
     Returns fp32 logits of each row's last real token [B, V], or of every position [B, C, V].
     """
-    positions = cache.begin(n_new)
+    positions = cache.begin(n_new, ahead)
     try:
         with _h2o_attention_enabled(model):
             hidden = model.get_decoder()(

@@ -3,8 +3,11 @@
 With `recall_budget` R, each row of an `H2OCache` keeps its first `recalled[row]` slots (up to R per
 layer and KV head, whole blocks) as a window onto its `Archive` of evicted tokens. The window holds
 *copies* of the archive's blocks that the queries of the latest pass chose, per layer and KV head
-(Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk chooses with its own queries, before
-its attention (InfLLM); a decode step attends with the window the previous step's queries chose, and
+(Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk of a turn's question chooses with its
+own queries, layer by layer before each layer's attention (InfLLM), and so does a chunk of a prompt's
+body unless `recall_ahead` gives it what its previous chunk's queries choose, all layers in one
+choice, before its pass;
+a decode step attends with the window the previous step's queries chose, and
 its own queries, pooled over all layers, choose the next one (each of a reply's first `recall_burst`
 steps, then every `recall_interval`-th), on the transformers path as on
 the fast step (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
@@ -77,10 +80,10 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
 
 @torch.no_grad()
 def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, layers: slice = slice(None),
-           everywhere: bool = False) -> None:
+           everywhere: bool = False, per_layer: bool = False) -> None:
     """Fill the row's window in `layers` with the blocks `queries` ([L', H_q, Q, D] before RoPE, the
-    row's queries of those layers) would attend to most (`Archive.select`, its `everywhere` as given),
-    per KV head."""
+    row's queries of those layers) would attend to most (`Archive.select`, its `everywhere` and
+    `per_layer` as given), per KV head."""
     r = cache.recalled[row]
     if not r:
         return
@@ -88,7 +91,7 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     group = queries.shape[1] // spec.num_kv_heads
     # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
     grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
-    chosen = cache.archives[row].select(grouped, scaling, r // cache.config.recall_block, layers, everywhere)
+    chosen = cache.archives[row].select(grouped, scaling, r // cache.config.recall_block, layers, everywhere, per_layer)
     fill(cache, row, chosen, layers)
 
 

@@ -43,16 +43,22 @@ def position_votes(mass: torch.Tensor, origins: torch.Tensor, positions: int) ->
         0, _slots(origins, positions).flatten(), mass.flatten())
 
 
-def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int) -> torch.Tensor:
+def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int, per_layer: bool = False) -> torch.Tensor:
     """mass [L, H, K] fp32 per candidate key; origins [L, H, K] int64, the keys' original positions.
-    Returns [L, H, K]: per key, the mass that every layer and head gave to its position, summed.
+    Returns [L, H, K]: per key, the mass that every layer and head gave to its position, summed
+    (per_layer: that the heads of its own layer gave, as when each layer chooses alone).
 
     Heads choose alone poorly: in a 30-turn chat each head's own ranking put the pass key in its
     top 16 blocks in 64% of the heads, and the key was found 0 times in 10; pooled, the heads that
     point at the fact bring it to the rest. Origins are taken modulo `positions`, a fixed size so
     that the shape never depends on the conversation's length (positions `positions` apart share a
     vote)."""
-    return position_votes(mass, origins, positions)[_slots(origins, positions)]
+    slots = _slots(origins, positions)
+    if per_layer:
+        slots = slots + torch.arange(mass.shape[0], device=mass.device)[:, None, None] * positions
+        positions *= mass.shape[0]
+    votes = torch.zeros(positions, dtype=mass.dtype, device=mass.device).index_add_(0, slots.flatten(), mass.flatten())
+    return votes[slots]
 
 
 def block_votes(votes: torch.Tensor, origins: torch.Tensor, block: int) -> torch.Tensor:

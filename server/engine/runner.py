@@ -56,21 +56,23 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], chunk: int) -> list[Sample | None | Exception]:
         """Feed the next chunk (<= `chunk` tokens) of each waiting sequence to its own cache, in one pass.
 
-        With recall, every row's chunk first fills the row's recall window with what its own queries
-        point at (inside the pass, `h2o_cache.recall`).
+        With recall, every row's chunk first fills the row's recall window: a chunk of the prompt's body
+        with what its previous chunk's queries point at (before the pass), the question's tail with
+        what its own point at (inside the pass, `h2o_cache.recall`).
         Returns per sequence its first token once its whole prompt is in, None while more remains,
         or the error it raised. The rows share a temporary batch cache for the pass and go back to
         their own caches after it.
         """
+        ahead = [seq.in_body for seq in seqs]
         pieces = [seq.next_chunk(chunk) for seq in seqs]
         if len(seqs) == 1:
-            results = self._feed(seqs[0].cache, pieces)
+            results = self._feed(seqs[0].cache, pieces, ahead)
         else:
             batch = self.generator.new_cache(0)
             for seq in seqs:
                 batch.extend(seq.cache, move=True)
             try:
-                results = self._feed(batch, pieces)
+                results = self._feed(batch, pieces, ahead)
             finally:
                 for row in reversed(range(len(seqs))):  # from the last: no row moves
                     seqs[row].cache = batch.pop(row)
@@ -84,9 +86,9 @@ class ModelRunner:
                 out[i] = drawn
         return out
 
-    def _feed(self, cache: H2OCache, pieces: list[list[int]]) -> list:
-        """Feed every row its piece in one pass; a row that fails fails alone."""
-        return self._guarded(lambda some: self.generator.step(cache, some), pieces)
+    def _feed(self, cache: H2OCache, pieces: list[list[int]], ahead: list[bool]) -> list:
+        """Feed every row its piece in one pass (ahead[b]: of its prompt's body); a row that fails fails alone."""
+        return self._guarded(lambda some: self.generator.step(cache, some, ahead), pieces)
 
     def decode(self, running: list[Sequence]) -> list[Sample | Exception]:
         """One step feeding every row of the batch its pending token. Returns per row its next token,

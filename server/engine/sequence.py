@@ -70,6 +70,11 @@ class Sequence:
     def prefill_done(self) -> bool:
         return self.prefilled == len(self.turn.prefill)
 
+    @property
+    def in_body(self) -> bool:
+        """Whether the next chunk is of the prompt's body, before the tail fed on its own."""
+        return self.tail_at is not None and self.prefilled < self.tail_at
+
     def next_chunk(self, size: int) -> list[int]:
         """The next <= `size` tokens to feed; a chunk ends where the tail starts, so it is fed on its own."""
         end = self.prefilled + size

@@ -61,10 +61,10 @@ def fail_step(monkeypatch, engine, poisoned):
     """Make the model raise on any pass that feeds a row for which poisoned(cache, row, piece) holds."""
     step = engine.generator.step
 
-    def failing_step(cache, pieces):
+    def failing_step(cache, pieces, ahead=None):
         if any(piece and poisoned(cache, row, piece) for row, piece in enumerate(pieces)):
             raise RuntimeError("injected failure")
-        return step(cache, pieces)
+        return step(cache, pieces, ahead)
 
     monkeypatch.setattr(engine.generator, "step", failing_step)
 

@@ -53,10 +53,10 @@ async def test_a_failed_fast_step_is_retried_so_only_the_failing_row_fails(make_
 
     step = engine.generator.step
 
-    def failing_step(cache, pieces):  # the transformers path fails only for the bad row
+    def failing_step(cache, pieces, ahead=None):  # the transformers path fails only for the bad row
         if any(len(p) == 1 and cache.seen[row] >= threshold for row, p in enumerate(pieces)):
             raise RuntimeError("injected failure")
-        return step(cache, pieces)
+        return step(cache, pieces, ahead)
 
     monkeypatch.setattr(engine.runner.decoder, "step", failing_fast_step)
     monkeypatch.setattr(engine.generator, "step", failing_step)

@@ -65,6 +65,8 @@ def test_heads_pool_their_votes_by_position_over_the_layers_that_choose_together
     assert (chosen[..., 0] == 11).all()
     assert (a.select(queries[:1], 2.0, 1, slice(0, 1))[..., 0] == 3).all()  # layer 0 alone: 1 of 3 asks the second
     assert (a.select(queries[1:], 2.0, 1, slice(1, 2))[..., 0] == 11).all()
+    # all layers in one choice, each layer's heads pooling alone: what each layer chooses by itself
+    assert torch.equal(a.select(queries, 2.0, 1, per_layer=True), torch.tensor([3, 11])[:, None, None].expand(L, H, 1))
     assert torch.equal(a.select(queries, 2.0, 2), torch.tensor([3, 11]).expand(L, H, 2))
 
 

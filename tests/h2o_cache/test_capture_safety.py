@@ -100,9 +100,12 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
         at = origins.gather(2, candidates[..., None].expand(-1, -1, -1, block)).flatten(2, 3)
         mass = pool_by_position(token_mass(queries, picked, 0.5), at, POSITIONS)
         chosen = top_blocks(block_mass(mass, block), wanted, candidates).sort(dim=-1).values
+        mass = pool_by_position(token_mass(queries, picked, 0.5), at, POSITIONS, per_layer=True)
+        alone = top_blocks(block_mass(mass, block), wanted, candidates).sort(dim=-1).values
         # a choice everywhere: every block of every head scored by the pooled votes
         votes = position_votes(token_mass(queries, picked, 0.5), at, POSITIONS)
         everywhere = top_blocks(block_votes(votes, state["origins"], block), wanted).sort(dim=-1).values
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert torch.equal(chosen, archive.select(queries, 0.5, wanted))
+    assert torch.equal(alone, archive.select(queries, 0.5, wanted, per_layer=True))
     assert torch.equal(everywhere, archive.select(queries, 0.5, wanted, everywhere=True))

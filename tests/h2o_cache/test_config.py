@@ -38,6 +38,7 @@ def test_full_never_evicts_or_rolls():
         ({"heavy_ratio": 1.5}, "heavy_ratio must be within [0, 1]"),
         ({"budget": 16, "evict_slack": 16}, "evict_slack must be in [1, budget)"),
         ({"prefill_chunk": 0}, "prefill_chunk must be >= 1"),
+        ({"recall_budget": 16, "recall_queries": 0}, "recall_queries must be >= 1 or None"),
     ],
 )
 def test_bad_arguments_name_the_problem(kwargs, message):

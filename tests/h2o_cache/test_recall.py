@@ -87,8 +87,8 @@ def check_every_pass(gen, model, monkeypatch, rows: int = 1):
     checked = []
     step = gen.step
 
-    def checked_step(cache, pieces):
-        logits = step(cache, pieces)
+    def checked_step(cache, pieces, ahead=None):
+        logits = step(cache, pieces, ahead)
         for row in range(rows):
             assert_window_holds_archive_blocks(model, cache, row)
             assert_nothing_lost_or_held_twice(cache, row)
@@ -447,3 +447,53 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
             assert_window_holds_archive_blocks(gguf_model, native.cache, row)
         native.cache.pending = ops.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
     assert native.cache.lengths == ops.cache.lengths and native.cache.recalled == [16] * 3
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_chooses_its_own(peaked_model, monkeypatch, ahead):
+    """With `recall_ahead`, a chunk of the prompt's body is given, before its pass, the window the
+    previous chunk's choosing queries point at, in one choice over all layers; the question's tail
+    chooses layer by layer with its own queries, as every chunk does without it."""
+    config = recall_config(recall_ahead=ahead, recall_queries=3)
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    layers = peaked_model.config.num_hidden_layers
+    calls, stored = [], []
+    choose, step = recall.choose, gen.step
+
+    def recording_choose(cache, row, queries, scaling, layers=slice(None), everywhere=False, per_layer=False):
+        calls[-1].append((layers, queries.clone(), per_layer))
+        return choose(cache, row, queries, scaling, layers, everywhere, per_layer)
+
+    def recording_step(cache, pieces, ahead_rows=None):
+        calls.append([])
+        logits = step(cache, pieces, ahead_rows)
+        stored.append((len(pieces[0]), cache.ahead[0].clone()))
+        return logits
+
+    monkeypatch.setattr(recall, "choose", recording_choose)
+    monkeypatch.setattr(gen, "step", recording_step)
+    cache = gen.new_cache(1)
+    gen.prefill(cache, [random_tokens(70, seed=5)], recall=True)
+    tail = -(-config.recall_probe // config.prefill_chunk)
+    assert [n for n, _ in stored] == [8] * 8 + [6]  # 64 tokens of body in chunks of 8, the tail of 6
+    for i, (n, queries) in enumerate(stored):
+        # the choosing queries: 3 of each chunk's, evenly spaced, the last token's among them
+        assert queries.shape[2] == 3 and torch.equal(queries[:, :, -1], cache._queries[:, 0]) == (i == len(stored) - 1)
+    chose = [i for i, pass_calls in enumerate(calls) if pass_calls]
+    assert chose and chose[-1] == len(calls) - 1  # windows open during the body; the tail chooses
+    for i in chose:
+        body = i < len(calls) - tail
+        if ahead and body:
+            (only, queries, per_layer), = calls[i]  # each layer's heads pool alone, as in a chunk's own choice
+            assert only == slice(None) and per_layer and torch.equal(queries, stored[i - 1][1])
+        else:
+            assert [where for where, _, _ in calls[i]] == [slice(layer, layer + 1) for layer in range(layers)]
+
+
+def test_a_decode_pass_forgets_the_chunk_s_queries_so_the_next_turn_chooses_its_own_first(peaked_model):
+    gen = Generator(peaked_model, ByteTokenizer(), recall_config())
+    cache = gen.new_cache(1)
+    gen.prefill(cache, [random_tokens(50, seed=6)], recall=True)
+    assert cache.ahead[0] is not None
+    gen.step(cache, [[5]])
+    assert cache.ahead[0] is None
