@@ -16,10 +16,10 @@ row's first slots are a window onto it (`h2o_cache.recall`). A prefill chunk (a 
 row more than one token) first fills each layer and KV head's window with the archived blocks its
 own queries point at, layer by layer; with `recall_ahead`, a chunk of a prompt's body
 (`begin(ahead=...)`) is instead given, before its pass, what its previous chunk's queries point at,
-all layers in one choice. Every
-pass keeps each fed row's last queries; they choose the window again, pooled over all layers, at the
-start of each of the row's first `recall_burst` decode passes after a prefill and then of every
-`recall_interval`-th (`choose_due`), before anything of that pass is fed. The fast step (`StaticDecoder`) does the same, so both paths keep the same tokens, and a
+all layers in one choice. Every pass keeps each fed row's last queries; they choose the window
+again, pooled over all layers, at the start of each of the row's first `recall_burst` decode passes
+after a prefill and then of every `recall_interval`-th (`choose_due`), before anything of that pass
+is fed. The fast step (`StaticDecoder`) does the same, so both paths keep the same tokens, and a
 choice that fails fails before its pass: a retry never feeds a token twice.
 """
 
@@ -94,8 +94,9 @@ class H2OCache:
     budget; `windows[b]`, which archive blocks the window holds (None: unknown); `recall_count[b]`,
     tokens (summed over layers and heads) copied into the window so far; `decoded[b]`, its decode
     passes since its last prefill chunk; `due[b]`, whether its
-    window is to be chosen by `_queries` before its next decode pass; `ahead[b]`, [L, H_q, q, D] fp32,
-    the choosing queries (`recall_queries` of them) of its last prefill chunk, None after a decode pass.
+    window is to be chosen by `_queries` before its next decode pass; `ahead[b]` (with `recall_ahead`),
+    [L, H_q, q, D] fp32, the choosing queries (`recall_queries` of them) of its last prefill chunk,
+    None after a decode pass.
     """
 
     def __init__(self, spec: ModelSpec, config: CacheConfig, rows: int = 0):
@@ -251,10 +252,10 @@ class H2OCache:
 
         Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
         With recall, before a prefill chunk, rows whose archive gained blocks first widen their window
-        (`recall.grow`); a row whose chunk is of a prompt's body (ahead[b], with `recall_ahead`) then
-        takes the window its previous chunk's queries choose (`ahead[b]`), all layers in one choice
-        (each layer's heads pooling alone), and the other chunks choose layer by layer in the pass (`attend`); before a decode
-        pass, rows whose choice is due make it (`choose_due`).
+        (`recall.grow`); with `recall_ahead`, a row whose chunk is of a prompt's body (ahead[b]) then
+        takes the window its previous chunk's queries choose (`self.ahead[b]`), all layers in one
+        choice (each layer's heads pooling alone); other chunks choose layer by layer in the pass
+        (`attend`). Before a decode pass, rows whose choice is due make it (`choose_due`).
         """
         if len(n_new) != self.batch_size:
             raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
@@ -267,12 +268,13 @@ class H2OCache:
                 if n_new[row] > 1:
                     recall.grow(self, row)
                     self.due[row] = False  # the chunk chooses, with its own queries or its previous chunk's
-                    if ahead is not None and ahead[row] and self.config.recall_ahead and self.ahead[row] is not None:
-                        recall.choose(self, row, self.ahead[row], self.spec.scaling, per_layer=True)
-                        chosen.add(row)
-                    self.ahead[row] = torch.empty(self.spec.num_layers, self.spec.num_heads,
-                                                  len(range(n_new[row])[self._choosing(n_new[row])]), self.spec.head_dim,
-                                                  device=self.spec.device)
+                    if self.config.recall_ahead:
+                        if ahead is not None and ahead[row] and self.ahead[row] is not None:
+                            recall.choose(self, row, self.ahead[row], self.spec.scaling, per_layer=True)
+                            chosen.add(row)
+                        count = len(range(n_new[row])[self._choosing(n_new[row])])
+                        self.ahead[row] = torch.empty(self.spec.num_layers, self.spec.num_heads, count,
+                                                      self.spec.head_dim, device=self.spec.device)
             self.choose_due([row for row in fed if n_new[row] == 1])
         device = self.spec.device
         starts = torch.tensor(self.lengths, device=device)
@@ -381,14 +383,15 @@ class H2OCache:
         return unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
 
     def _choose(self, layer: int, plain: torch.Tensor, scaling: float) -> None:
-        """Keep each prefill row's choosing queries of `layer` (`ahead`), and fill the recall window of
-        `layer` in every such row that has one and was not given it before the pass with what this
-        chunk's real queries ([B, H_q, C, D] before RoPE, fp32) point at."""
+        """Fill the recall window of `layer` in every prefill row that has one and was not given it
+        before the pass with what this chunk's real queries ([B, H_q, C, D] before RoPE, fp32) point
+        at; with `recall_ahead`, keep each prefill row's choosing queries of `layer` (`self.ahead`)."""
         step = self._step
         for row, n in enumerate(step.n_new):
             if n > 1:
                 queries = plain[row:row + 1, :, self._choosing(n)]
-                self.ahead[row][layer] = queries[0]
+                if self.ahead[row] is not None:
+                    self.ahead[row][layer] = queries[0]
                 if self.recalled[row] and row not in step.chosen:
                     recall.choose(self, row, queries, scaling, slice(layer, layer + 1))
 

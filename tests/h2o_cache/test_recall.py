@@ -467,7 +467,7 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
     def recording_step(cache, pieces, ahead_rows=None):
         calls.append([])
         logits = step(cache, pieces, ahead_rows)
-        stored.append((len(pieces[0]), cache.ahead[0].clone()))
+        stored.append((len(pieces[0]), None if cache.ahead[0] is None else cache.ahead[0].clone()))
         return logits
 
     monkeypatch.setattr(recall, "choose", recording_choose)
@@ -477,8 +477,12 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
     tail = -(-config.recall_probe // config.prefill_chunk)
     assert [n for n, _ in stored] == [8] * 8 + [6]  # 64 tokens of body in chunks of 8, the tail of 6
     for i, (n, queries) in enumerate(stored):
+        if not ahead:
+            assert queries is None  # nothing kept for a choice ahead that never comes
+            continue
         # the choosing queries: 3 of each chunk's, evenly spaced, the last token's among them
         assert queries.shape[2] == 3 and torch.equal(queries[:, :, -1], cache._queries[:, 0]) == (i == len(stored) - 1)
+    assert all(queries.shape[2] == 3 for pass_calls in calls for _, queries, _ in pass_calls)
     chose = [i for i, pass_calls in enumerate(calls) if pass_calls]
     assert chose and chose[-1] == len(calls) - 1  # windows open during the body; the tail chooses
     for i in chose:
@@ -491,7 +495,7 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
 
 
 def test_a_decode_pass_forgets_the_chunk_s_queries_so_the_next_turn_chooses_its_own_first(peaked_model):
-    gen = Generator(peaked_model, ByteTokenizer(), recall_config())
+    gen = Generator(peaked_model, ByteTokenizer(), recall_config(recall_ahead=True))
     cache = gen.new_cache(1)
     gen.prefill(cache, [random_tokens(50, seed=6)], recall=True)
     assert cache.ahead[0] is not None
