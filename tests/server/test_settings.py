@@ -59,9 +59,9 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     s = parse("--recall-budget", "64", "--recall-block", "8", "--recall-archive", "4096", "--recall-probe", "32")
     config = s.cache_config()
     assert (config.recall_budget, config.recall_block, config.recall_archive, config.recall_probe) == (64, 8, 4096, 32)
-    assert (parse().cache_config().recall_queries, parse().cache_config().recall_ahead) == (16, False)
-    config = parse("--recall-queries", "64", "--recall-ahead").cache_config()
-    assert (config.recall_queries, config.recall_ahead) == (64, True)
+    assert (parse().cache_config().recall_queries, parse().cache_config().recall_ahead) == (None, False)
+    config = parse("--recall-queries", "16", "--recall-ahead").cache_config()
+    assert (config.recall_queries, config.recall_ahead) == (16, True)
 
 
 def test_prompts_are_fed_in_quarter_budget_chunks_with_recall_and_256_without_unless_told():
