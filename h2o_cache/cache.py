@@ -388,11 +388,12 @@ class H2OCache:
         at; with `recall_ahead`, keep each prefill row's choosing queries of `layer` (`self.ahead`)."""
         step = self._step
         for row, n in enumerate(step.n_new):
-            if n > 1:
+            chooses = self.recalled[row] and row not in step.chosen
+            if n > 1 and (chooses or self.ahead[row] is not None):
                 queries = plain[row:row + 1, :, self._choosing(n)]
                 if self.ahead[row] is not None:
                     self.ahead[row][layer] = queries[0]
-                if self.recalled[row] and row not in step.chosen:
+                if chooses:
                     recall.choose(self, row, queries, scaling, slice(layer, layer + 1))
 
     def _choosing(self, n: int) -> slice:
@@ -467,7 +468,7 @@ class H2OCache:
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""
-        if self._step is not None and self._step.chosen is not None:
+        if self._step is not None and self.config.recall_ahead:
             for row, n in enumerate(self._step.n_new):
                 if n > 1:
                     self.ahead[row] = None  # partly written: the next chunk chooses with its own queries

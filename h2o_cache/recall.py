@@ -6,11 +6,10 @@ layer and KV head, whole blocks) as a window onto its `Archive` of evicted token
 (Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk of a turn's question chooses with its
 own queries, layer by layer before each layer's attention (InfLLM), and so does a chunk of a prompt's
 body unless `recall_ahead` gives it what its previous chunk's queries choose, all layers in one
-choice, before its pass;
-a decode step attends with the window the previous step's queries chose, and
-its own queries, pooled over all layers, choose the next one (each of a reply's first `recall_burst`
-steps, then every `recall_interval`-th), on the transformers path as on
-the fast step (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
+choice, before its pass; a decode step attends with the window the previous step's queries chose,
+and its own queries, pooled over all layers, choose the next one (each of a reply's first
+`recall_burst` steps, then every `recall_interval`-th), on the transformers path as on the fast step
+(`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
 archive keeps every block, so a block that falls out of the chosen set is not lost, and a block is in
 the window at most once; the window never competes for the budget (its slots are pinned).
 

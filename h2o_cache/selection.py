@@ -39,8 +39,7 @@ def position_votes(mass: torch.Tensor, origins: torch.Tensor, positions: int) ->
     """mass [L, H, K] fp32 per candidate key; origins [L, H, K] int64, the keys' original positions.
     Returns [positions] fp32: per original position (modulo `positions`), the mass every layer and
     head gave to it, summed."""
-    return torch.zeros(positions, dtype=mass.dtype, device=mass.device).index_add_(
-        0, _slots(origins, positions).flatten(), mass.flatten())
+    return _tally(mass, _slots(origins, positions), positions)
 
 
 def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int, per_layer: bool = False) -> torch.Tensor:
@@ -54,11 +53,15 @@ def pool_by_position(mass: torch.Tensor, origins: torch.Tensor, positions: int, 
     that the shape never depends on the conversation's length (positions `positions` apart share a
     vote)."""
     slots = _slots(origins, positions)
-    if per_layer:
+    if per_layer:  # each layer votes in a table of its own
         slots = slots + torch.arange(mass.shape[0], device=mass.device)[:, None, None] * positions
         positions *= mass.shape[0]
-    votes = torch.zeros(positions, dtype=mass.dtype, device=mass.device).index_add_(0, slots.flatten(), mass.flatten())
-    return votes[slots]
+    return _tally(mass, slots, positions)[slots]
+
+
+def _tally(mass: torch.Tensor, slots: torch.Tensor, size: int) -> torch.Tensor:
+    """[size]: the mass of every key summed into its slot (mass, slots of the same shape)."""
+    return torch.zeros(size, dtype=mass.dtype, device=mass.device).index_add_(0, slots.flatten(), mass.flatten())
 
 
 def block_votes(votes: torch.Tensor, origins: torch.Tensor, block: int) -> torch.Tensor:

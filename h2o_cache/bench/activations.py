@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from h2o_cache import CacheConfig, Generator, StaticDecoder
-from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
+from h2o_cache.bench.common import add_model_args, add_xsum_args, load, markdown_table
 from h2o_cache.bench.nll import load_items
 from h2o_cache.bench.stats import ratio_of_sums_difference
 
@@ -56,10 +56,8 @@ def agreeing(a: list[int], b: list[int]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--articles", type=int, default=100, help="XSum articles, the first that fit")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
+    add_xsum_args(parser)
     parser.add_argument("--greedy", type=int, default=32, help="greedy tokens generated per article by each path")
-    parser.add_argument("--data", default=str(data_path("xsum_dev.jsonl")), help="XSum jsonl (document, summary)")
     args = parser.parse_args(argv)
     model, tokenizer = load(args)
     config = CacheConfig()

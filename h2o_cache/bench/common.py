@@ -27,6 +27,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "the benches measure the fp32 model unless told")
 
 
+def add_xsum_args(parser: argparse.ArgumentParser) -> None:
+    """The XSum articles a bench reads: how many, the longest prompt, the file."""
+    parser.add_argument("--articles", type=int, default=100, help="XSum articles, the first that fit")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
+    parser.add_argument("--data", default=str(data_path("xsum_dev.jsonl")), help="XSum jsonl (document, summary)")
+
+
 def load(args: argparse.Namespace):
     """(model, tokenizer) as chosen by the options of `add_model_args`."""
     from h2o_cache import load_model

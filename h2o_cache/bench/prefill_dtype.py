@@ -20,7 +20,7 @@ import time
 import torch
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
+from h2o_cache.bench.common import add_model_args, add_xsum_args, data_path, load, markdown_table
 from h2o_cache.bench.nll import load_items, score
 from h2o_cache.bench.passkey import FILLER_START
 from h2o_cache.bench.stats import ratio_of_sums_difference
@@ -30,12 +30,10 @@ from h2o_cache.prefill_products import native_bf16, use_bf16_prefill
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--articles", type=int, default=100, help="XSum articles, the first that fit")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
+    add_xsum_args(parser)
     parser.add_argument("--batch", type=int, default=10, help="articles per forward pass")
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt of the timed prefill")
     parser.add_argument("--reps", type=int, default=3, help="timed prefills per dtype")
-    parser.add_argument("--data", default=str(data_path("xsum_dev.jsonl")), help="XSum jsonl (document, summary)")
     args = parser.parse_args(argv)
     args.prefill_dtype = "float32"  # the switch below is what this bench turns
     model, tokenizer = load(args)

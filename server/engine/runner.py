@@ -56,9 +56,9 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence], chunk: int) -> list[Sample | None | Exception]:
         """Feed the next chunk (<= `chunk` tokens) of each waiting sequence to its own cache, in one pass.
 
-        With recall, every row's chunk first fills the row's recall window: a chunk of the prompt's body
-        with what its previous chunk's queries point at (before the pass), the question's tail with
-        what its own point at (inside the pass, `h2o_cache.recall`).
+        With recall, every row's chunk first fills the row's recall window with what its own queries
+        point at (inside the pass, `h2o_cache.recall`); with `recall_ahead`, a chunk of the prompt's
+        body (`Sequence.in_body`) instead with what its previous chunk's queries point at, before it.
         Returns per sequence its first token once its whole prompt is in, None while more remains,
         or the error it raised. The rows share a temporary batch cache for the pass and go back to
         their own caches after it.
