@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from h2o_cache.eviction import take_vectors
-from h2o_cache.selection import block_mass, block_votes, bound_mass, pool_by_position, position_votes, token_mass, top_blocks
+from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes, token_mass,
+                                 token_votes, top_blocks)
 
 _FIELDS = ("keys", "values", "scores", "origins")
 # Candidate blocks per chosen block that the exact logits rank (second stage of `select`): the bound
@@ -38,6 +39,9 @@ CANDIDATES = 4
 # Size of the position table the heads pool their votes in (`pool_by_position`): fixed, so that the
 # ranking's shapes never depend on the conversation's length.
 POSITIONS = 1 << 16
+# A choice pooled over all layers takes each archived token by the votes of the positions within SPAN
+# of its own (`span_votes`): a fact's words that drew no attention come back with those that did.
+SPAN = 4
 
 
 class Archive:
@@ -175,23 +179,28 @@ class Archive:
         self._digested = end
 
     @torch.no_grad()
-    def select(self, queries: torch.Tensor, scaling: float, blocks: int, layers: slice = slice(None),
+    def select(self, queries: torch.Tensor, scaling: float, tokens: int, layers: slice = slice(None),
                everywhere: bool = False, per_layer: bool = False) -> torch.Tensor:
-        """The `blocks` full blocks each KV head of `layers` would attend to most, for `queries`.
+        """The `tokens` archived tokens (whole blocks but with `everywhere`) each KV head of `layers`
+        would attend to most, for `queries`.
 
         queries: [L', H_kv, Q, D] before RoPE (L' = the layers of `layers`), the Q queries that share
         each KV head (its query group times the tokens of a chunk), any device.
-        Per layer and head (`h2o_cache.selection`): the CANDIDATES x `blocks` blocks whose digests'
-        bound draws the most attention mass are candidates; the exact logits of the queries against
-        the candidates' keys give each key its attention mass, pooled by original position over all
-        the layers and heads of `layers`, and each head takes the `blocks` candidates whose tokens'
-        positions drew the most; `everywhere`: the `blocks` of all its blocks whose tokens' positions
-        drew the most (`block_votes`), for a choice that pools many heads (a decode step's, over all
-        layers), where one head's bound missing a fact must not keep it from the head; `per_layer` (not
-        with `everywhere`): the votes pool over each layer's own heads only, as if each layer chose alone.
-        Returns [L', H_kv, blocks] int64 block indices, ascending; blocks <= full_blocks.
+        Per layer and head (`h2o_cache.selection`): the CANDIDATES x `tokens` / block blocks whose
+        digests' bound draws the most attention mass are candidates; the exact logits of the queries
+        against the candidates' keys give each key its attention mass, pooled by original position
+        over all the layers and heads of `layers`, and each head takes the candidate blocks whose
+        tokens' positions drew the most; `everywhere`: the `tokens` tokens of all its full blocks
+        whose positions, with their neighbours' (`SPAN`), drew the most (`token_votes`), for a choice
+        that pools many heads (a decode step's, over all layers), where one head's bound missing a
+        fact must not keep it from the head, nor whole blocks keep out the fact's other words;
+        `per_layer` (not with `everywhere`): the votes pool over each layer's own heads only, as if
+        each layer chose alone.
+        Returns [L', H_kv, tokens] int64 token indices (of the storage, within full blocks),
+        ascending; tokens <= full_blocks * block, a multiple of block.
         """
         lo, hi = self._digests()
+        blocks = tokens // self.block
         q = queries.float()
         device = q.device
         mass = bound_mass(q, lo[layers].to(device), hi[layers].to(device), scaling).cpu()  # [L', H_kv, full blocks]
@@ -200,12 +209,12 @@ class Archive:
             keys, origins = self.gather(candidates, layers, ("keys", "origins"))  # [L', H_kv, wanted * block, ...]
             mass = token_mass(q, keys.to(device).float(), scaling)
             if everywhere:
-                votes = position_votes(mass, origins.to(device), POSITIONS).cpu()
+                votes = span_votes(position_votes(mass, origins.to(device), POSITIONS), SPAN).cpu()
                 full = lo.shape[2] * self.block
-                return top_blocks(block_votes(votes, self._data["origins"][layers, :, :full], self.block), blocks).sort(dim=-1).values
+                return top_blocks(token_votes(votes, self._data["origins"][layers, :, :full]), tokens).sort(dim=-1).values
             mass = pool_by_position(mass, origins.to(device), POSITIONS, per_layer)
             candidates = top_blocks(block_mass(mass, self.block).cpu(), blocks, candidates)
-        return candidates.sort(dim=-1).values
+        return block_tokens(candidates.sort(dim=-1).values, self.block)
 
     @torch.no_grad()
     def gather(self, blocks: torch.Tensor, layers: slice = slice(None),
@@ -214,16 +223,16 @@ class Archive:
         per field of `fields`, [L', H_kv, b * block, D] (keys, values) or [L', H_kv, b * block]
         (scores, origins), on the host. The archive keeps them."""
         self._digests()  # blocks are read as formed: a tail not yet sorted into blocks is sorted first
-        tokens = _block_tokens(blocks.cpu(), self.block)
+        tokens = block_tokens(blocks.cpu(), self.block)
         return tuple(_gather(self._data[name][layers], tokens) for name in fields)
 
     @torch.no_grad()
-    def gather_heads(self, layer_ids: torch.Tensor, head_ids: torch.Tensor, blocks: torch.Tensor,
+    def gather_heads(self, layer_ids: torch.Tensor, head_ids: torch.Tensor, tokens: torch.Tensor,
                      fields: tuple[str, ...] = _FIELDS) -> tuple[torch.Tensor, ...]:
-        """The tokens of blocks[i] ([m, b] block indices) of layer layer_ids[i], head head_ids[i]: per
-        field, [m, b * block, D] or [m, b * block], on the host."""
+        """The tokens tokens[i] ([m, t] storage indices within full blocks, `select`'s) of layer
+        layer_ids[i], head head_ids[i]: per field, [m, t, D] or [m, t], on the host."""
         self._digests()
-        tokens = _block_tokens(blocks.cpu(), self.block)  # [m, b * block]
+        tokens = tokens.cpu()
         rows = (layer_ids.cpu() * self.shape[1] + head_ids.cpu())[:, None] * self._capacity
         out = []
         for name in fields:
@@ -267,11 +276,6 @@ class Archive:
         self.append(*(state[name] for name in _FIELDS))
         if "blocked" in state and self.stored:
             self._digest(0, int(state["blocked"][0]))
-
-
-def _block_tokens(blocks: torch.Tensor, size: int) -> torch.Tensor:
-    """[L, H_kv, b] block indices -> [L, H_kv, b * size] indices of their tokens, in block order."""
-    return (blocks[..., None] * size + torch.arange(size)).flatten(-2)
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ class H2OCache:
         _queries:       [L, rows, H_q, D] the queries of the row's last fed token before RoPE (with recall only)
     Per row, with recall: `archives[b]`, the row's evicted tokens (None until its first eviction);
     `recalled[b]`, the size of its window (slots 0..recalled[b]-1 per layer/head), held on top of the
-    budget; `windows[b]`, which archive blocks the window holds (None: unknown); `recall_count[b]`,
+    budget; `windows[b]`, which archived tokens the window holds (None: unknown); `recall_count[b]`,
     tokens (summed over layers and heads) copied into the window so far; `decoded[b]`, its decode
     passes since its last prefill chunk; `due[b]`, whether its
     window is to be chosen by `_queries` before its next decode pass; `ahead[b]` (with `recall_ahead`),

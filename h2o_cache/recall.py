@@ -1,8 +1,9 @@
-"""The recall window: the archived blocks the latest queries point at, held in front of a cache row.
+"""The recall window: the archived tokens the latest queries point at, held in front of a cache row.
 
 With `recall_budget` R, each row of an `H2OCache` keeps its first `recalled[row]` slots (up to R per
-layer and KV head, whole blocks) as a window onto its `Archive` of evicted tokens. The window holds
-*copies* of the archive's blocks that the queries of the latest pass chose, per layer and KV head
+layer and KV head, a multiple of the block) as a window onto its `Archive` of evicted tokens. The
+window holds *copies* of the archived tokens that the queries of the latest pass chose, per layer and
+KV head (whole blocks for a prefill chunk, tokens for a decode step's choice over all layers)
 (Quest, arXiv 2406.10774; ArkVale; InfLLM): every prefill chunk of a turn's question chooses with its
 own queries, layer by layer before each layer's attention (InfLLM), and so does a chunk of a prompt's
 body unless `recall_ahead` gives it what its previous chunk's queries choose, all layers in one
@@ -10,7 +11,7 @@ choice, before its pass; a decode step attends with the window the previous step
 and its own queries, pooled over all layers, choose the next one (each of a reply's first
 `recall_burst` steps, then every `recall_interval`-th), on the transformers path as on the fast step
 (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
-archive keeps every block, so a block that falls out of the chosen set is not lost, and a block is in
+archive keeps every token, so a token that falls out of the chosen set is not lost, and a token is in
 the window at most once; the window never competes for the budget (its slots are pinned).
 
 Layout of a row with a window of r slots (position rolling: a slot's position is its index):
@@ -43,7 +44,7 @@ def window_size(cache: H2OCache, row: int) -> int:
 @torch.no_grad()
 def grow(cache: H2OCache, row: int) -> bool:
     """Widen the row's window to `window_size` (its own tokens move right, re-rotated); the new window
-    holds the archive's newest blocks until queries choose. Returns whether it grew."""
+    holds the archive's newest full blocks until queries choose. Returns whether it grew."""
     want, have = window_size(cache, row), cache.recalled[row]
     if want <= have:
         return False
@@ -60,10 +61,9 @@ def grow(cache: H2OCache, row: int) -> bool:
     cache.lengths[row] = n + shift
     cache.recalled[row] = want
     archive = cache.archives[row]
-    blocks = want // cache.config.recall_block
-    newest = torch.arange(archive.full_blocks - blocks, archive.full_blocks)
+    newest = torch.arange(archive.full_blocks * archive.block - want, archive.full_blocks * archive.block)
     cache.windows[row] = None
-    fill(cache, row, newest.expand(*archive.shape, blocks))
+    fill(cache, row, newest.expand(*archive.shape, want))
     return True
 
 
@@ -80,9 +80,9 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
 @torch.no_grad()
 def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, layers: slice = slice(None),
            everywhere: bool = False, per_layer: bool = False) -> None:
-    """Fill the row's window in `layers` with the blocks `queries` ([L', H_q, Q, D] before RoPE, the
-    row's queries of those layers) would attend to most (`Archive.select`, its `everywhere` and
-    `per_layer` as given), per KV head."""
+    """Fill the row's window in `layers` with the archived tokens `queries` ([L', H_q, Q, D] before
+    RoPE, the row's queries of those layers) would attend to most (`Archive.select`, its `everywhere`
+    and `per_layer` as given), per KV head."""
     r = cache.recalled[row]
     if not r:
         return
@@ -90,14 +90,14 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     group = queries.shape[1] // spec.num_kv_heads
     # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
     grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
-    chosen = cache.archives[row].select(grouped, scaling, r // cache.config.recall_block, layers, everywhere, per_layer)
+    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer)
     fill(cache, row, chosen, layers)
 
 
 @torch.no_grad()
 def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(None)) -> None:
-    """Make the window of `layers` hold `chosen` ([L', H_kv, b] archive block indices, ascending, b
-    blocks filling the window), rewriting only the heads whose choice changed."""
+    """Make the window of `layers` hold `chosen` ([L', H_kv, r] archive token indices, ascending, r
+    filling the window), rewriting only the heads whose choice changed."""
     archive = cache.archives[row]
     first = layers.start or 0
     current = cache.windows[row]

@@ -5,6 +5,7 @@ head (Quest bound, then exact logits, pooled by position over the heads that cho
 import pytest
 import torch
 
+from h2o_cache import selection
 from h2o_cache.archive import CANDIDATES, Archive
 
 L, H, D = 2, 3, 8
@@ -28,6 +29,14 @@ def archive(block=4, limit=64):
 def unit(seed: int) -> torch.Tensor:
     v = torch.randn(D, generator=torch.Generator().manual_seed(seed))
     return v / v.norm()
+
+
+def select_blocks(a: Archive, queries, scaling: float, blocks: int, *args, **kwargs) -> torch.Tensor:
+    """`Archive.select` of whole blocks (any choice but `everywhere`) as block indices [L', H, blocks]."""
+    chosen = a.select(queries, scaling, blocks * a.block, *args, **kwargs)
+    first = chosen[..., ::a.block]
+    assert torch.equal(chosen, (first[..., None] + torch.arange(a.block)).flatten(-2)) and (first % a.block == 0).all()
+    return first // a.block
 
 
 def block_tokens(blocks: list[int], size: int) -> list[int]:
@@ -60,14 +69,14 @@ def test_heads_pool_their_votes_by_position_over_the_layers_that_choose_together
     a.append(keys, values, scores, origins)
     asks_second = torch.tensor([[True, False, False], [True, True, True]])  # [L, H]
     queries = torch.where(asks_second[..., None], second, first)[:, :, None].expand(L, H, group, D)
-    chosen = a.select(queries, scaling=2.0, blocks=1)
+    chosen = select_blocks(a, queries, scaling=2.0, blocks=1)
     assert chosen.shape == (L, H, 1)
     assert (chosen[..., 0] == 11).all()
-    assert (a.select(queries[:1], 2.0, 1, slice(0, 1))[..., 0] == 3).all()  # layer 0 alone: 1 of 3 asks the second
-    assert (a.select(queries[1:], 2.0, 1, slice(1, 2))[..., 0] == 11).all()
+    assert (select_blocks(a, queries[:1], 2.0, 1, slice(0, 1))[..., 0] == 3).all()  # layer 0 alone: 1 of 3 asks the second
+    assert (select_blocks(a, queries[1:], 2.0, 1, slice(1, 2))[..., 0] == 11).all()
     # all layers in one choice, each layer's heads pooling alone: what each layer chooses by itself
-    assert torch.equal(a.select(queries, 2.0, 1, per_layer=True), torch.tensor([3, 11])[:, None, None].expand(L, H, 1))
-    assert torch.equal(a.select(queries, 2.0, 2), torch.tensor([3, 11]).expand(L, H, 2))
+    assert torch.equal(select_blocks(a, queries, 2.0, 1, per_layer=True), torch.tensor([3, 11])[:, None, None].expand(L, H, 1))
+    assert torch.equal(select_blocks(a, queries, 2.0, 2), torch.tensor([3, 11]).expand(L, H, 2))
 
 
 def test_each_head_finds_a_position_in_the_block_where_its_own_archive_holds_it():
@@ -91,7 +100,7 @@ def test_each_head_finds_a_position_in_the_block_where_its_own_archive_holds_it(
             where[layer, head] = index // 4
     assert len(set(where.flatten().tolist())) > 1
     a.append(keys, values, scores, origins)
-    chosen = a.select(needle.expand(L, H, 3, D), scaling=2.0, blocks=1)
+    chosen = select_blocks(a, needle.expand(L, H, 3, D), scaling=2.0, blocks=1)
     assert torch.equal(chosen[..., 0], where)
 
 
@@ -100,10 +109,10 @@ def test_select_returns_distinct_ascending_blocks_and_all_of_them_when_asked_for
     a.append(*tokens(40, 0))
     query = torch.randn(L, H, 5, D, generator=torch.Generator().manual_seed(1))
     for blocks in (1, 3, 10):
-        chosen = a.select(query, 1.0, blocks)
+        chosen = select_blocks(a, query, 1.0, blocks)
         assert chosen.shape == (L, H, blocks)
         assert (chosen[..., 1:] > chosen[..., :-1]).all() and (chosen >= 0).all() and (chosen < 10).all()
-    assert torch.equal(a.select(query, 1.0, 10), torch.arange(10).expand(L, H, 10))
+    assert torch.equal(select_blocks(a, query, 1.0, 10), torch.arange(10).expand(L, H, 10))
 
 
 def test_the_exact_logits_choose_the_needle_over_blocks_of_large_noisy_keys():
@@ -129,7 +138,7 @@ def test_the_exact_logits_choose_the_needle_over_blocks_of_large_noisy_keys():
     assert (by_bound[..., :3].sort(dim=-1).values == torch.tensor([1, 4, 8])).all()  # the bound alone is fooled
     assert (by_bound[..., 3] == 6).all() and CANDIDATES >= 4
 
-    chosen = a.select(query.expand(L, H, 2, D), scaling=2.0, blocks=1)
+    chosen = select_blocks(a, query.expand(L, H, 2, D), scaling=2.0, blocks=1)
     assert (chosen[..., 0] == 6).all()
 
 
@@ -159,21 +168,22 @@ def test_gather_heads_returns_for_each_listed_head_what_gather_returns_for_it():
     chosen = torch.randint(0, 6, (L, H, 3), generator=torch.Generator().manual_seed(2))
     whole = a.gather(chosen)
     layer_ids, head_ids = torch.tensor([1, 0, 1, 0]), torch.tensor([2, 0, 0, 2])
-    some = a.gather_heads(layer_ids, head_ids, chosen[layer_ids, head_ids])
+    held = selection.block_tokens(chosen, a.block)  # gather_heads takes tokens, as a window holds them
+    some = a.gather_heads(layer_ids, head_ids, held[layer_ids, head_ids])
     for i, (layer, head) in enumerate(zip(layer_ids.tolist(), head_ids.tolist())):
         for part, full in zip(some, whole):
             assert torch.equal(part[i], full[layer, head])
-    [origins] = a.gather_heads(layer_ids[:1], head_ids[:1], chosen[1, 2][None], ("origins",))
-    assert torch.equal(origins[0], whole[3][1, 2])
+    [origins] = a.gather_heads(layer_ids[:1], head_ids[:1], torch.tensor([[5, 0, 17]]), ("origins",))
+    assert torch.equal(origins[0], a.state()["origins"][1, 2, [5, 0, 17]])
 
 
 def test_select_does_not_change_the_archive_and_chooses_the_same_twice():
     a = archive(block=4, limit=256)
     a.append(*tokens(40, 0, seed=6))
     query = torch.randn(L, H, 4, D, generator=torch.Generator().manual_seed(3))
-    first = a.select(query, 1.0, 3)
+    first = select_blocks(a, query, 1.0, 3)
     state = a.state()
-    assert torch.equal(a.select(query, 1.0, 3), first) and len(a) == 40
+    assert torch.equal(select_blocks(a, query, 1.0, 3), first) and len(a) == 40
     for name in FIELDS:
         assert torch.equal(a.state()[name], state[name])
 
@@ -185,13 +195,13 @@ def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_we
     first = tokens(6, 0, seed=1)
     first[3][:] = torch.tensor([10, 2, 7, 0, 5, 3])
     a.append(*first)
-    a.select(torch.randn(L, H, 2, D), 1.0, 1)  # forms block 0 from the lowest four: 0, 2, 3, 5
+    select_blocks(a, torch.randn(L, H, 2, D), 1.0, 1)  # forms block 0 from the lowest four: 0, 2, 3, 5
     held = a.state()["origins"][0, 0].tolist()
     assert held[:4] == [0, 2, 3, 5] and sorted(held[4:]) == [7, 10]
     second = tokens(6, 0, seed=2)
     second[3][:] = torch.tensor([1, 20, 4, 6, 15, 8])
     a.append(*second)
-    a.select(torch.randn(L, H, 2, D), 1.0, 1)
+    select_blocks(a, torch.randn(L, H, 2, D), 1.0, 1)
     origins = a.state()["origins"]
     assert origins[0, 0].tolist() == [0, 2, 3, 5, 1, 4, 6, 7, 8, 10, 15, 20]  # block 0 kept, then sorted
     assert (origins == origins[0, 0]).all()
@@ -210,12 +220,12 @@ def test_a_block_appended_later_is_found_by_the_next_select():
     keys, values, scores, origins = tokens(32, 0)
     a.append(keys * 0.1, values, scores, origins)
     needle = unit(3)
-    assert not (a.select(needle.expand(L, H, 2, D), 2.0, 1) == 9).any()
+    assert not (select_blocks(a, needle.expand(L, H, 2, D), 2.0, 1) == 9).any()
     more = tokens(8, 32, seed=9)
     more_keys = more[0] * 0.1
     more_keys[:, :, 5] = needle * 4  # origin 37, block 9
     a.append(more_keys, *more[1:])
-    assert (a.select(needle.expand(L, H, 2, D), 2.0, 1)[..., 0] == 9).all()
+    assert (select_blocks(a, needle.expand(L, H, 2, D), 2.0, 1)[..., 0] == 9).all()
 
 
 def test_the_limit_drops_the_oldest_whole_blocks_bumps_the_epoch_and_keeps_the_newest_once():
@@ -236,7 +246,7 @@ def test_the_limit_drops_the_oldest_whole_blocks_bumps_the_epoch_and_keeps_the_n
         epochs.append(a.epoch)
         assert a.dropped % 4 == 0 and len(a) <= 32 and len(a) + a.dropped == start
         if round % 3 == 0 and a.full_blocks:
-            a.select(torch.randn(L, H, 2, D, generator=gen), 1.0, 1)
+            select_blocks(a, torch.randn(L, H, 2, D, generator=gen), 1.0, 1)
     assert a.epoch > 0
     held = a.state()
     assert held["origins"][0, 0].tolist() == list(range(a.dropped, start))  # the newest, each once
@@ -267,7 +277,7 @@ def test_state_and_copies_keep_the_blocks_as_they_were_formed():
     first[3][:] = torch.tensor([20, 3, 11, 7, 0, 9, 22, 15, 1, 5, 18, 13])
     second[3][:] = torch.tensor([4, 16, 2, 21, 8, 12, 23, 10, 6, 17, 14, 19])
     a.append(*first)
-    a.select(torch.randn(L, H, 2, D), scaling=1.0, blocks=1)  # the first batch forms its blocks
+    select_blocks(a, torch.randn(L, H, 2, D), scaling=1.0, blocks=1)  # the first batch forms its blocks
     a.append(*(t[:, :, :6] for t in second))  # half a batch: its tokens wait, unformed
     twin = a.copy()
     restored = archive(block=4, limit=256)
@@ -278,9 +288,9 @@ def test_state_and_copies_keep_the_blocks_as_they_were_formed():
     query = torch.randn(L, H, 2, D, generator=torch.Generator().manual_seed(4))
     for other in (a, twin, restored):
         other.append(*rest)
-    chosen = a.select(query, 1.0, 2)
+    chosen = select_blocks(a, query, 1.0, 2)
     for other in (twin, restored):
-        assert torch.equal(other.select(query, 1.0, 2), chosen)
+        assert torch.equal(select_blocks(other, query, 1.0, 2), chosen)
         for got, want in zip(other.gather(chosen), a.gather(chosen)):
             assert torch.equal(got, want)
     assert restored.epoch > 0  # a load renumbers blocks for whoever held indices into the old contents
@@ -296,10 +306,10 @@ def test_a_block_larger_than_the_limit_is_refused():
         Archive(L, H, D, torch.float32, block=16, limit=8)
 
 
-def test_a_choice_everywhere_brings_a_head_the_block_the_other_heads_voted_for_though_its_own_bound_missed_it():
+def test_a_choice_everywhere_brings_a_head_the_tokens_the_other_heads_voted_for_though_its_own_bound_missed_them():
     """Head 1's keys for positions 20-23 point away from the query, so its bound leaves their block
     out of its candidates; head 0's keys there match the query. Pooled among its own candidates,
-    head 1 cannot take the block; everywhere, the position votes bring it (`block_votes`)."""
+    head 1 cannot take the block; everywhere, the position votes bring it those tokens (`token_votes`)."""
     gen = torch.Generator().manual_seed(3)
     needle = torch.zeros(D)
     needle[0] = 4.0
@@ -309,8 +319,29 @@ def test_a_choice_everywhere_brings_a_head_the_block_the_other_heads_voted_for_t
     a = Archive(1, 2, D, torch.float32, block=4, limit=256)
     a.append(keys, keys.clone(), None, torch.arange(64).expand(1, 2, 64))
     query = needle.expand(1, 2, 3, D)
-    own = a.select(query, 2.0, blocks=1)
-    everywhere = a.select(query, 2.0, blocks=1, everywhere=True)
+    own = select_blocks(a, query, 2.0, blocks=1)
+    everywhere = a.select(query, 2.0, 4, everywhere=True)
     assert own[0, 0, 0] == 5 and own[0, 1, 0] != 5
-    assert torch.equal(everywhere[0, :, 0], torch.tensor([5, 5]))
-    assert everywhere.shape == own.shape == (1, 2, 1)
+    assert torch.equal(everywhere, torch.arange(20, 24).expand(1, 2, 4))
+
+
+def test_a_choice_everywhere_takes_tokens_not_blocks_and_the_neighbours_of_what_drew_the_votes():
+    """Eviction scatters a phrase over blocks mixed with other tokens: here positions 100-107 (one
+    phrase) sit two by two in four blocks, each beside two unrelated tokens. Only the keys at 101 and
+    105 match the query; everywhere, every head takes the phrase's archived tokens, the unmatched
+    ones too (they are within `SPAN` of the matched), and none of the blocks' other tokens."""
+    gen = torch.Generator().manual_seed(5)
+    needle = torch.zeros(D)
+    needle[1] = 4.0
+    a = Archive(1, 2, D, torch.float32, block=4, limit=256)
+    for b in range(16):  # one block per eviction, formed before the next
+        origins = torch.tensor([1000 + 40 * b + i for i in range(4)])
+        if b % 4 == 0:
+            origins[:2] = torch.tensor([100, 101]) + b // 2
+        keys = 0.3 * torch.randn(1, 2, 4, D, generator=gen)
+        keys[0, :, 1] = needle if b in (0, 8) else keys[0, :, 1]  # positions 101 and 105
+        a.append(keys, keys.clone(), None, origins.expand(1, 2, 4))
+        a.state()
+    chosen = a.select(needle.expand(1, 2, 3, D), 2.0, 8, everywhere=True)
+    held = a.state()["origins"].gather(2, chosen)
+    assert torch.equal(held, torch.tensor([100, 101, 102, 103, 104, 105, 106, 107]).expand(1, 2, 8))

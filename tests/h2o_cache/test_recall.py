@@ -1,4 +1,4 @@
-"""The recall window (`h2o_cache.recall`): its slots hold exact copies of the archive blocks the latest
+"""The recall window (`h2o_cache.recall`): its slots hold exact copies of the archived tokens the latest
 queries chose, per layer and KV head; nothing fed is lost or held twice; growing keeps the row's own
 tokens; only changed heads are rewritten; both decode paths choose alike."""
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall
+from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall, selection
 from h2o_cache.rope import rotate
 from tests.conftest import ByteTokenizer, tiny_llama
 
@@ -44,8 +44,19 @@ def rope(model, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[0], sin[0]
 
 
-def assert_window_holds_archive_blocks(model, cache, row: int) -> None:
-    """Slots [0, r) of every layer and head are copies of the archive blocks `windows[row]` names:
+def blocks_of(window: torch.Tensor, size: int = 4) -> torch.Tensor:
+    """A window of whole blocks ([..., b * size] archive token indices) as its block indices [..., b]."""
+    first = window[..., ::size]
+    assert torch.equal(window, selection.block_tokens(first // size, size))
+    return first // size
+
+
+def tokens_of(blocks: list[int], size: int = 4) -> torch.Tensor:
+    return selection.block_tokens(torch.tensor(blocks), size)
+
+
+def assert_window_holds_archive_tokens(model, cache, row: int) -> None:
+    """Slots [0, r) of every layer and head are copies of the archived tokens `windows[row]` names:
     their keys, values and origins, keys rotated to positions 0..r-1; pinned is True exactly there;
     the row's own tokens [r, n) are rotated to their slots."""
     r, n = cache.recalled[row], cache.lengths[row]
@@ -57,13 +68,13 @@ def assert_window_holds_archive_blocks(model, cache, row: int) -> None:
         assert cache.windows[row] is None
         return
     archive = cache.archives[row]
-    epoch, blocks = cache.windows[row]
-    assert epoch == archive.epoch and blocks.shape == (*archive.shape, r // cache.config.recall_block)
-    assert (blocks[..., 1:] > blocks[..., :-1]).all() and (blocks < archive.full_blocks).all()
-    keys, values, origins = archive.gather(blocks, fields=("keys", "values", "origins"))
-    assert torch.equal(state["keys"][:, :, :r], keys)
-    assert torch.equal(state["values"][:, :, :r], values)
-    assert torch.equal(state["origins"][:, :, :r], origins)
+    epoch, held = cache.windows[row]
+    assert epoch == archive.epoch and held.shape == (*archive.shape, r)
+    assert (held[..., 1:] > held[..., :-1]).all() and (held < archive.full_blocks * archive.block).all()
+    stored = archive.state()
+    for name in ("keys", "values", "origins"):
+        index = held if stored[name].dim() == 3 else held[..., None].expand(-1, -1, -1, stored[name].shape[-1])
+        assert torch.equal(state[name][:, :, :r], stored[name].gather(2, index))
 
 
 def assert_nothing_lost_or_held_twice(cache, row: int) -> None:
@@ -90,7 +101,7 @@ def check_every_pass(gen, model, monkeypatch, rows: int = 1):
     def checked_step(cache, pieces, ahead=None):
         logits = step(cache, pieces, ahead)
         for row in range(rows):
-            assert_window_holds_archive_blocks(model, cache, row)
+            assert_window_holds_archive_tokens(model, cache, row)
             assert_nothing_lost_or_held_twice(cache, row)
         checked.append((list(cache.recalled), list(cache.recall_count)))
         return logits
@@ -159,7 +170,7 @@ def test_windows_of_several_rows_are_copies_and_rows_choose_as_they_do_alone(pea
     for t in range(3):
         batched = gen.prefill(together, [turns[0][t], turns[1][t]], recall=True)
         for row in range(2):
-            assert_window_holds_archive_blocks(peaked_model, together, row)
+            assert_window_holds_archive_tokens(peaked_model, together, row)
             assert_nothing_lost_or_held_twice(together, row)
         for row, cache in enumerate(alone):
             single = gen.prefill(cache, [turns[row][t]], recall=True)
@@ -198,9 +209,9 @@ def test_growing_moves_the_row_s_own_tokens_unchanged_and_rotates_them_to_their_
     assert torch.equal(after["pinned"], (torch.arange(n + want - r) < want).expand_as(after["pinned"]))
     # Until queries choose, the window holds the newest blocks of every head.
     full = cache.archives[0].full_blocks
-    assert torch.equal(cache.windows[0][1], torch.arange(full - want // 4, full).expand(2, 2, want // 4))
+    assert torch.equal(cache.windows[0][1], torch.arange(full * 4 - want, full * 4).expand(2, 2, want))
     assert cache.recall_count[0] == count + 2 * 2 * want
-    assert_window_holds_archive_blocks(peaked_model, cache, 0)
+    assert_window_holds_archive_tokens(peaked_model, cache, 0)
     assert_nothing_lost_or_held_twice(cache, 0)
     for name in ("keys", "origins"):  # growing reads the archive, it does not change it
         assert torch.equal(cache.archives[0].state()[name], archived[name])
@@ -244,16 +255,16 @@ def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_wind
     cache = crafted(peaked_model, needles, where)
     layers, heads, d = needles.shape
     newest = torch.tensor([8, 9]).expand(layers, heads, 2)
-    assert torch.equal(cache.windows[0][1], newest)
+    assert torch.equal(blocks_of(cache.windows[0][1]), newest)
     group = peaked_model.config.num_attention_heads // heads
     queries = torch.zeros(layers, heads, group, 1, d)
     queries[:, :, 0, 0] = needles
     queries = queries.view(layers, heads * group, 1, d)
     recall.choose(cache, 0, queries[1:], 1.0, slice(1, 2))  # one layer, as a pass asks
-    assert torch.equal(cache.windows[0][1][0], newest[0])
-    assert [int(where[1, h]) in cache.windows[0][1][1, h].tolist() for h in range(heads)] == [True] * heads
+    assert torch.equal(blocks_of(cache.windows[0][1][0]), newest[0])
+    assert [int(where[1, h]) in blocks_of(cache.windows[0][1][1, h]).tolist() for h in range(heads)] == [True] * heads
     recall.choose(cache, 0, queries, scaling=1.0)
-    blocks = cache.windows[0][1]
+    blocks = blocks_of(cache.windows[0][1])
     origins = cache.buffers().origins[:, 0, :, :8]
     keys = cache.buffers().keys[:, 0, :, :8]
     for layer in range(layers):
@@ -261,7 +272,7 @@ def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_wind
             assert int(where[layer, head]) in blocks[layer, head].tolist()
             assert 100 + int(where[layer, head]) * 4 + 2 in origins[layer, head].tolist()
             assert any(torch.equal(k, needles[layer, head] * 4) for k in keys[layer, head])
-    assert_window_holds_archive_blocks(peaked_model, cache, 0)
+    assert_window_holds_archive_tokens(peaked_model, cache, 0)
 
 
 def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
@@ -284,7 +295,7 @@ def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
     assert untouched.all() and added == 0
     changed = torch.zeros(layers, heads, dtype=torch.bool)
     changed[0, 1] = changed[1, 0] = True
-    chosen[changed] = torch.tensor([0, 2])
+    chosen[changed] = tokens_of([0, 2])
     untouched, added = poisoned_fill(chosen.clone())
     assert torch.equal(untouched, ~changed) and added == int(changed.sum()) * r
     keys[:, 0, :, :r] = 0.0
@@ -292,7 +303,7 @@ def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
     assert (keys[:, 0, :, :r] == 0).all()
     # One layer at a time: [1, H, b] for layer 1 only.
     one = cache.windows[0][1][1:].clone()
-    one[0, 1] = torch.tensor([6, 9])
+    one[0, 1] = tokens_of([6, 9])
     untouched, added = poisoned_fill(one, slice(1, 2))
     assert untouched[0].all() and untouched[1].tolist() == [True, False] and added == r
     # Renumbered blocks (epoch): every head is rewritten, though the indices are the same.
@@ -300,7 +311,7 @@ def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
     archive.load_state(archive.state())
     untouched, added = poisoned_fill(cache.windows[0][1].clone())
     assert not untouched.any() and added == layers * heads * r
-    assert_window_holds_archive_blocks(peaked_model, cache, 0)
+    assert_window_holds_archive_tokens(peaked_model, cache, 0)
 
 
 def recalling_rows(gen: Generator, seeds, decoders) -> None:
@@ -356,7 +367,7 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
             fast, slow = row_state(decoder.cache, row), row_state(eager, row)
             assert torch.equal(fast["origins"], slow["origins"]) and torch.equal(fast["pinned"], slow["pinned"])
             torch.testing.assert_close(fast["keys"], slow["keys"], rtol=1e-4, atol=1e-4)
-            assert_window_holds_archive_blocks(peaked_model, decoder.cache, row)
+            assert_window_holds_archive_tokens(peaked_model, decoder.cache, row)
             assert_nothing_lost_or_held_twice(decoder.cache, row)
         tokens = [[t] for t in expected.argmax(-1).tolist()]
         decoder.cache.pending, eager.pending = tokens, [list(t) for t in tokens]
@@ -444,7 +455,7 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
         torch.testing.assert_close(native.queries[:, :3], ops.queries[:, :3], rtol=1e-5, atol=1e-5)
         for row in range(3):
             assert torch.equal(native.cache.windows[row][1], ops.cache.windows[row][1])
-            assert_window_holds_archive_blocks(gguf_model, native.cache, row)
+            assert_window_holds_archive_tokens(gguf_model, native.cache, row)
         native.cache.pending = ops.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
     assert native.cache.lengths == ops.cache.lengths and native.cache.recalled == [16] * 3
 
