@@ -39,9 +39,6 @@ CANDIDATES = 4
 # Size of the position table the heads pool their votes in (`pool_by_position`): fixed, so that the
 # ranking's shapes never depend on the conversation's length.
 POSITIONS = 1 << 16
-# A choice pooled over all layers takes each archived token by the votes of the positions within SPAN
-# of its own (`span_votes`): a fact's words that drew no attention come back with those that did.
-SPAN = 4
 
 
 class Archive:
@@ -180,7 +177,7 @@ class Archive:
 
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, tokens: int, layers: slice = slice(None),
-               everywhere: bool = False, per_layer: bool = False) -> torch.Tensor:
+               everywhere: bool = False, per_layer: bool = False, span: int = 4) -> torch.Tensor:
         """The `tokens` archived tokens (whole blocks but with `everywhere`) each KV head of `layers`
         would attend to most, for `queries`.
 
@@ -191,7 +188,7 @@ class Archive:
         against the candidates' keys give each key its attention mass, pooled by original position
         over all the layers and heads of `layers`, and each head takes the candidate blocks whose
         tokens' positions drew the most; `everywhere`: the `tokens` tokens of all its full blocks
-        whose positions, with their neighbours' (`SPAN`), drew the most (`token_votes`), for a choice
+        whose positions, with their neighbours' within `span`, drew the most (`token_votes`), for a choice
         that pools many heads (a decode step's, over all layers), where one head's bound missing a
         fact must not keep it from the head, nor whole blocks keep out the fact's other words;
         `per_layer` (not with `everywhere`): the votes pool over each layer's own heads only, as if
@@ -209,7 +206,7 @@ class Archive:
             keys, origins = self.gather(candidates, layers, ("keys", "origins"))  # [L', H_kv, wanted * block, ...]
             mass = token_mass(q, keys.to(device).float(), scaling)
             if everywhere:
-                votes = span_votes(position_votes(mass, origins.to(device), POSITIONS), SPAN).cpu()
+                votes = span_votes(position_votes(mass, origins.to(device), POSITIONS), span).cpu()
                 full = lo.shape[2] * self.block
                 return top_blocks(token_votes(votes, self._data["origins"][layers, :, :full]), tokens).sort(dim=-1).values
             mass = pool_by_position(mass, origins.to(device), POSITIONS, per_layer)

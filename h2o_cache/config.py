@@ -37,6 +37,9 @@ class CacheConfig:
         burst (every prefill chunk chooses with its own queries).
     recall_queries: most queries per query head of a prefill chunk that choose its window, evenly
         spaced and ending at the chunk's last token (None: all of them).
+    recall_span: a decode step's choice takes each archived token by the votes of the positions
+        within this distance of its own (`selection.span_votes`), so that a phrase's words that drew
+        no attention come back with those that did (0: its own votes only).
     recall_ahead: a chunk of a prompt's body (a pass told `ahead`: not the question's tail) is given,
         before its pass, the window the previous chunk's queries choose, all layers in one choice
         (each layer's heads pooling alone), instead of choosing layer by layer with its own queries
@@ -58,6 +61,7 @@ class CacheConfig:
     recall_burst: int = 16  # measured: 30-turn pass key 5/5 choosing every step, 3/5 every 16th
     recall_interval: int = 16  # a choice costs ~1.6x a batch-1 CPU step: every 16th keeps decode at 1.2x
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
+    recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
 
     def __post_init__(self) -> None:
@@ -78,6 +82,8 @@ class CacheConfig:
                 raise ValueError(f"recall_interval must be >= 1, got {self.recall_interval}")
             if self.recall_queries is not None and self.recall_queries < 1:
                 raise ValueError(f"recall_queries must be >= 1 or None, got {self.recall_queries}")
+            if self.recall_span < 0:
+                raise ValueError(f"recall_span must be >= 0, got {self.recall_span}")
             if self.recall_burst < 0:
                 raise ValueError(f"recall_burst must be >= 0, got {self.recall_burst}")
         if self.recall_budget < 0:

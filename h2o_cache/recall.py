@@ -90,7 +90,7 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     group = queries.shape[1] // spec.num_kv_heads
     # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
     grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
-    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer)
+    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
     fill(cache, row, chosen, layers)
 
 

@@ -329,7 +329,7 @@ def test_a_choice_everywhere_takes_tokens_not_blocks_and_the_neighbours_of_what_
     """Eviction scatters a phrase over blocks mixed with other tokens: here positions 100-107 (one
     phrase) sit two by two in four blocks, each beside two unrelated tokens. Only the keys at 101 and
     105 match the query; everywhere, every head takes the phrase's archived tokens, the unmatched
-    ones too (they are within `SPAN` of the matched), and none of the blocks' other tokens."""
+    ones too (they are within the span, 4, of the matched), and none of the blocks' other tokens."""
     gen = torch.Generator().manual_seed(5)
     needle = torch.zeros(D)
     needle[1] = 4.0

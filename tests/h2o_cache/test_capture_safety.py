@@ -79,7 +79,7 @@ def test_steps_with_evictions_and_window_choices_never_reallocate_what_the_step_
 def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_archive_select_picks():
     """`h2o_cache.selection`, both stages and the candidates' bookkeeping, as a device would run them in
     a captured step: no host read, no data-dependent shape; the same blocks `Archive.select` returns."""
-    from h2o_cache.archive import CANDIDATES, POSITIONS, SPAN, Archive
+    from h2o_cache.archive import CANDIDATES, POSITIONS, Archive
     from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes,
                                      token_mass, token_votes, top_blocks)
 
@@ -104,7 +104,7 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
         mass = pool_by_position(token_mass(queries, picked, 0.5), at, POSITIONS, per_layer=True)
         alone = block_tokens(top_blocks(block_mass(mass, block), wanted, candidates).sort(dim=-1).values, block)
         # a choice everywhere: every token of every head scored by the pooled votes of its neighbourhood
-        votes = span_votes(position_votes(token_mass(queries, picked, 0.5), at, POSITIONS), SPAN)
+        votes = span_votes(position_votes(token_mass(queries, picked, 0.5), at, POSITIONS), 4)
         everywhere = top_blocks(token_votes(votes, state["origins"]), wanted * block).sort(dim=-1).values
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert torch.equal(chosen, archive.select(queries, 0.5, wanted * block))

@@ -39,6 +39,7 @@ def test_full_never_evicts_or_rolls():
         ({"budget": 16, "evict_slack": 16}, "evict_slack must be in [1, budget)"),
         ({"prefill_chunk": 0}, "prefill_chunk must be >= 1"),
         ({"recall_budget": 16, "recall_queries": 0}, "recall_queries must be >= 1 or None"),
+        ({"recall_budget": 16, "recall_span": -1}, "recall_span must be >= 0"),
     ],
 )
 def test_bad_arguments_name_the_problem(kwargs, message):
