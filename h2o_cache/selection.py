@@ -70,8 +70,11 @@ def span_votes(votes: torch.Tensor, radius: int) -> torch.Tensor:
     """votes [positions] (`position_votes`) -> [positions]: per position, its own votes plus those of
     every position within `radius` of it (its own included), so that a phrase's words share the votes
     its attended words drew, and an attended word still ranks above the neighbours that share them."""
-    width = 2 * radius + 1
-    return votes + torch.nn.functional.avg_pool1d(votes[None, None], width, stride=1, padding=radius)[0, 0] * width
+    # differences of a running sum (fp64, so that a window of zeros sums to exactly 0): a tenth of a
+    # pooling's time over the 64k positions
+    summed = votes.double().cumsum(0)  # summed[i]: the votes of positions 0..i
+    running = torch.cat([summed.new_zeros(radius + 1), summed, summed[-1:].expand(radius)])
+    return votes + (running[2 * radius + 1:] - running[:votes.shape[0]]).to(votes.dtype)
 
 
 def token_votes(votes: torch.Tensor, origins: torch.Tensor) -> torch.Tensor:

@@ -345,3 +345,16 @@ def test_a_choice_everywhere_takes_tokens_not_blocks_and_the_neighbours_of_what_
     chosen = a.select(needle.expand(1, 2, 3, D), 2.0, 8, everywhere=True)
     held = a.state()["origins"].gather(2, chosen)
     assert torch.equal(held, torch.tensor([100, 101, 102, 103, 104, 105, 106, 107]).expand(1, 2, 8))
+
+
+@pytest.mark.parametrize("radius", [0, 1, 4])
+def test_span_votes_add_to_each_position_the_votes_within_its_radius_and_leave_empty_stretches_at_zero(radius):
+    gen = torch.Generator().manual_seed(radius)
+    votes = torch.rand(300, generator=gen) * (torch.rand(300, generator=gen) < 0.2)
+    votes[0], votes[-1] = 5.0, 7.0  # the ends: no wrap-around, no padding counted
+    spans = selection.span_votes(votes, radius)
+    for p in range(300):
+        near = votes[max(0, p - radius):p + radius + 1].sum()
+        assert torch.isclose(spans[p], votes[p] + near, atol=1e-5)
+        if near == 0:
+            assert spans[p] == 0  # exactly: a token no vote came near ranks below any that one did
