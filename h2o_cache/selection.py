@@ -83,12 +83,12 @@ def token_votes(votes: torch.Tensor, origins: torch.Tensor) -> torch.Tensor:
 
     At 8k tokens a head's bound put the pass key among its 64 candidates of ~960 blocks in only 38%
     of the heads; pooled over its candidates alone, the rest could not fetch it, and the key came
-    back 2 times in 5. Scored by every head's votes over all of its tokens, 98-100% of the heads
-    hold the key's tokens, and the key's digits after the first came back 5 in 5. Tokens, not the
+    back 2 times in 5. Scored by every head's votes over all of its blocks, 98-100% of the heads
+    held the key's tokens, and the key's digits after the first came back 5 in 5. Tokens, not the
     blocks they were archived in: eviction scatters a phrase over many blocks, each mixed with other
-    tokens; at 2k tokens, depth 15%, whole blocks left each needle token out of 0-80% of the heads
+    tokens; at 2k tokens, depth 15%, whole blocks left each needle token out of 0-90% of the heads
     and the first digit came back 4 times in 10 (p 0.09-0.30 where missed), with every archived
-    token of the needle in every head's window 10 in 10 (p 0.92-0.96; the full cache: 0.80-0.93)."""
+    token of the needle in every head's window 6 in 6 (p 0.92-0.96; the full cache: 0.80-0.93)."""
     slots = _slots(origins, votes.shape[0])
     return votes.index_select(0, slots.flatten()).view(slots.shape)
 
