@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from h2o_cache.config import CacheConfig
 from h2o_cache.eviction import take_vectors
 from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes, token_mass,
                                  token_votes, top_blocks)
@@ -177,7 +178,8 @@ class Archive:
 
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, tokens: int, layers: slice = slice(None),
-               everywhere: bool = False, per_layer: bool = False, span: int = 4) -> torch.Tensor:
+               everywhere: bool = False, per_layer: bool = False,
+               span: int = CacheConfig.recall_span) -> torch.Tensor:
         """The `tokens` archived tokens (whole blocks but with `everywhere`) each KV head of `layers`
         would attend to most, for `queries`.
 

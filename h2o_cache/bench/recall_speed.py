@@ -6,7 +6,7 @@ recall on vs off at the same budget.
   on the fast path (`StaticDecoder`), where recall adds the window's `--recall` slots to attention,
   the archiving of what each eviction drops, and every `recall_interval` steps the choice of every
   row's window by its latest queries (bound over all archived blocks, exact logits over the
-  candidates, the changed heads' blocks copied in). Windows of `--steps` steps (>= slack, so each
+  candidates, every archived token scored by the pooled votes, the changed heads' tokens copied in). Windows of `--steps` steps (>= slack, so each
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off.
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 4 (the server's), with

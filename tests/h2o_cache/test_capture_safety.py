@@ -104,7 +104,7 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
         mass = pool_by_position(token_mass(queries, picked, 0.5), at, POSITIONS, per_layer=True)
         alone = block_tokens(top_blocks(block_mass(mass, block), wanted, candidates).sort(dim=-1).values, block)
         # a choice everywhere: every token of every head scored by the pooled votes of its neighbourhood
-        votes = span_votes(position_votes(token_mass(queries, picked, 0.5), at, POSITIONS), 4)
+        votes = span_votes(position_votes(token_mass(queries, picked, 0.5), at, POSITIONS), CacheConfig.recall_span)
         everywhere = top_blocks(token_votes(votes, state["origins"]), wanted * block).sort(dim=-1).values
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert torch.equal(chosen, archive.select(queries, 0.5, wanted * block))
