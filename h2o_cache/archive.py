@@ -215,6 +215,15 @@ class Archive:
             candidates = top_blocks(block_mass(mass, self.block).cpu(), blocks, candidates)
         return block_tokens(candidates.sort(dim=-1).values, self.block)
 
+    def storage(self) -> dict[str, torch.Tensor]:
+        """The storage itself, for a kernel that reads it in place (`native_recall`): keys, values
+        [L, H_kv, capacity, D], origins [L, H_kv, capacity] (tokens [0, stored) held, the full blocks'
+        formed) and the digests lo, hi [L, H_kv, block capacity, D] fp32 (of the full blocks), all
+        contiguous. Valid until the next append."""
+        self._digests()
+        return {"keys": self._data["keys"], "values": self._data["values"], "origins": self._data["origins"],
+                "lo": self._lo, "hi": self._hi}
+
     @torch.no_grad()
     def gather(self, blocks: torch.Tensor, layers: slice = slice(None),
                fields: tuple[str, ...] = _FIELDS) -> tuple[torch.Tensor, ...]:

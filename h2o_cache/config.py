@@ -44,6 +44,8 @@ class CacheConfig:
         before its pass, the window the previous chunk's queries choose, all layers in one choice
         (each layer's heads pooling alone), instead of choosing layer by layer with its own queries
         inside the pass; the tail always chooses with its own.
+    recall_kernel: a decode step's choice over all layers runs in one C++ call on the CPU
+        (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
     """
 
     policy: str = "h2o"
@@ -63,6 +65,7 @@ class CacheConfig:
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
+    recall_kernel: bool = True
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)

@@ -38,8 +38,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "cpu_decode.cpp"
-HEADERS = [SOURCE.with_name("int8_products.h")]
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = [KERNELS / "cpu_decode.cpp", KERNELS / "recall_choice.cpp"]
+HEADERS = [KERNELS / "int8_products.h", KERNELS / "vector_math.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 BLOCK = 32  # weights per GGUF block
 KINDS = {"Q4_1": (0, 20), "Q8_0": (1, 34)}  # GGUF type -> (kernel's kind, bytes per block)
@@ -104,7 +105,7 @@ def kernel() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("quantized CPU kernel off: no C++ compiler (install g++ for 2-3x faster CPU decoding)")
         return None
-    source = b"".join(path.read_bytes() for path in (SOURCE, *HEADERS))
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     tag = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("H2O_KERNEL_CACHE") or Path.home() / ".cache" / "h2o-cache" / "kernels")
     library = root / f"cpu_decode-{tag}.so"
@@ -113,12 +114,12 @@ def kernel() -> ctypes.CDLL | None:
             root.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=root) as tmp:  # same filesystem: the rename is atomic
                 built = Path(tmp) / library.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True,
+                subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True,
                                capture_output=True, text=True, timeout=300)
                 os.replace(built, library)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", None) or e
-            log.warning("quantized CPU kernel off: building %s failed: %s", SOURCE.name, detail)
+            log.warning("quantized CPU kernel off: building %s failed: %s", " ".join(p.name for p in SOURCES), detail)
             return None
     lib = ctypes.CDLL(str(library))
     lib.h2o_qmatmul.restype = ctypes.c_int
@@ -126,6 +127,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_has_vnni.restype = ctypes.c_int
     lib.h2o_decode_step.restype = ctypes.c_int
     lib.h2o_decode_step.argtypes = [ctypes.POINTER(StepLayout), *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
+    lib.h2o_recall_choose.restype = ctypes.c_int
+    lib.h2o_recall_choose.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 

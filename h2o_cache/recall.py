@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from h2o_cache import native_recall
 from h2o_cache.rope import rotate, rotate_into
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
            everywhere: bool = False, per_layer: bool = False) -> None:
     """Fill the row's window in `layers` with the archived tokens `queries` ([L', H_q, Q, D] before
     RoPE, the row's queries of those layers) would attend to most (`Archive.select`, its `everywhere`
-    and `per_layer` as given), per KV head."""
+    and `per_layer` as given), per KV head. A choice over all layers on the CPU runs in one kernel
+    call (`native_recall`) where it can."""
     r = cache.recalled[row]
     if not r:
         return
@@ -90,6 +92,9 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     group = queries.shape[1] // spec.num_kv_heads
     # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
     grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
+    if everywhere and layers == slice(None) and native_recall.supports(cache):
+        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
+        return
     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
     fill(cache, row, chosen, layers)
 
@@ -97,7 +102,8 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
 @torch.no_grad()
 def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(None)) -> None:
     """Make the window of `layers` hold `chosen` ([L', H_kv, r] archive token indices, ascending, r
-    filling the window), rewriting only the heads whose choice changed."""
+    filling the window), rewriting only the slots whose token changed (a head whose choice keeps its
+    first tokens keeps their slots)."""
     archive = cache.archives[row]
     first = layers.start or 0
     current = cache.windows[row]
@@ -105,22 +111,21 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
         current = (archive.epoch, torch.full((*archive.shape, chosen.shape[-1]), -1, dtype=torch.int64))
         cache.windows[row] = current
     held = current[1][layers]
-    changed = (held != chosen).any(dim=-1)  # [L', H_kv]
+    changed = held != chosen  # [L', H_kv, r]
     if not bool(changed.any()):
         return
-    layer_ids, head_ids = changed.nonzero(as_tuple=True)
-    keys, values, origins = archive.gather_heads(layer_ids + first, head_ids, chosen[layer_ids, head_ids],
-                                                 ("keys", "values", "origins"))
+    layer_ids, head_ids, slots = changed.nonzero(as_tuple=True)
+    tokens = chosen[layer_ids, head_ids, slots]
+    keys, values, origins = archive.gather_heads(layer_ids + first, head_ids, tokens[:, None], ("keys", "values", "origins"))
     device = cache.spec.device
-    r = keys.shape[1]
-    at = (layer_ids + first).to(device), head_ids.to(device)
-    cos, sin = cache.spec.rope.get(r)
-    keys = keys.to(device)
-    cache._keys[at[0], row, at[1], :r] = keys
-    cache._rotated[at[0], row, at[1], :r] = rotate(keys.float(), cos, sin).to(keys.dtype)
-    cache._values[at[0], row, at[1], :r] = values.to(device)
-    cache._origins[at[0], row, at[1], :r] = origins.to(device)
+    at = (layer_ids + first).to(device), head_ids.to(device), slots.to(device)
+    cos, sin = cache.spec.rope.get(chosen.shape[-1])
+    keys = keys[:, 0].to(device)
+    cache._keys[at[0], row, at[1], at[2]] = keys
+    cache._rotated[at[0], row, at[1], at[2]] = rotate(keys.float(), cos[at[2]], sin[at[2]]).to(keys.dtype)
+    cache._values[at[0], row, at[1], at[2]] = values[:, 0].to(device)
+    cache._origins[at[0], row, at[1], at[2]] = origins[:, 0].to(device)
     if cache._scores is not None:
-        cache._scores[at[0], row, at[1], :r] = 0.0
+        cache._scores[at[0], row, at[1], at[2]] = 0.0
     held[changed] = chosen[changed]
-    cache.recall_count[row] += len(layer_ids) * r
+    cache.recall_count[row] += len(slots)

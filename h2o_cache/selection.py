@@ -112,7 +112,8 @@ def block_mass(mass: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def top_blocks(mass: torch.Tensor, k: int, among: torch.Tensor | None = None) -> torch.Tensor:
-    """The k blocks (or tokens) of most mass ([L, H, N] -> [L, H, k] int64, by decreasing mass); with
-    `among` ([L, H, N] indices that `mass` scores), their indices in it."""
-    best = mass.topk(k, dim=-1).indices
+    """The k blocks (or tokens) of most mass ([L, H, N] -> [L, H, k] int64, by decreasing mass, ties
+    by increasing index: windows of positions that drew no votes tie, and `native_recall` breaks
+    ties the same way); with `among` ([L, H, N] indices that `mass` scores), their indices in it."""
+    best = mass.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     return best if among is None else among.gather(2, best)

@@ -6,7 +6,8 @@ recall on vs off at the same budget.
   on the fast path (`StaticDecoder`), where recall adds the window's `--recall` slots to attention,
   the archiving of what each eviction drops, and every `recall_interval` steps the choice of every
   row's window by its latest queries (bound over all archived blocks, exact logits over the
-  candidates, every archived token scored by the pooled votes, the changed heads' tokens copied in). Windows of `--steps` steps (>= slack, so each
+  candidates, every archived token scored by the pooled votes, the changed slots' tokens copied in;
+  one C++ call on the CPU, and with `--torch-choice` also on the torch ops). Windows of `--steps` steps (>= slack, so each
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off.
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 4 (the server's), with
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=4096, help="tokens of the timed prefill")
     parser.add_argument("--intervals", type=int, nargs="+", default=[1, 4], help="recall_interval values to time")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--torch-choice", action="store_true",
+                        help="also time each interval with a decode step's choice on the torch ops (recall_kernel=False)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefill-reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
@@ -97,8 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     tokens = torch.randint(3, vocab, (args.history + args.turn,), generator=torch.Generator().manual_seed(0)).tolist()
     history, turn = tokens[:args.history], tokens[args.history:]
     configs = {"off": CacheConfig(budget=args.budget)}
-    configs |= {f"on, every {k}": CacheConfig(budget=args.budget, recall_budget=args.recall, recall_interval=k)
-                for k in args.intervals}
+    for k in args.intervals:
+        configs[f"on, every {k}"] = CacheConfig(budget=args.budget, recall_budget=args.recall, recall_interval=k)
+        if args.torch_choice:
+            configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
     rows = {name: conversation_row(gen, config, history) for name, config in configs.items()}
     archive = rows[f"on, every {args.intervals[0]}"].archives[0]
     setup = (f"{args.threads} threads, {next(model.parameters()).dtype}, {gen.spec.device.type}, budget {args.budget}, "

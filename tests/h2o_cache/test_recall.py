@@ -275,7 +275,9 @@ def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_wind
     assert_window_holds_archive_tokens(peaked_model, cache, 0)
 
 
-def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
+def test_fill_rewrites_exactly_the_slots_whose_token_changed(peaked_model):
+    """A slot is written only where its token changed, and the count is of the slots written (the
+    kernel's fill: `test_native_recall.py`)."""
     needles = needles_of(peaked_model)
     cache = crafted(peaked_model, needles, torch.tensor([[1, 5], [3, 0]]))
     r = cache.recalled[0]
@@ -283,11 +285,11 @@ def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
     layers, heads = needles.shape[:2]
 
     def poisoned_fill(chosen, layers_=slice(None)):
-        """fill(chosen) with every window slot poisoned first: the untouched ones stay poisoned."""
+        """fill(chosen) with every window slot poisoned first: the slots not written stay poisoned."""
         keys[:, 0, :, :r] = 1234.0
         count = cache.recall_count[0]
         recall.fill(cache, 0, chosen, layers_)
-        untouched = (keys[:, 0, :, :r] == 1234.0).all(dim=-1).all(dim=-1)  # [L, H]
+        untouched = (keys[:, 0, :, :r] == 1234.0).all(dim=-1)  # [L, H, r]
         return untouched, cache.recall_count[0] - count
 
     chosen = cache.windows[0][1].clone()
@@ -295,18 +297,19 @@ def test_fill_rewrites_exactly_the_heads_whose_choice_changed(peaked_model):
     assert untouched.all() and added == 0
     changed = torch.zeros(layers, heads, dtype=torch.bool)
     changed[0, 1] = changed[1, 0] = True
-    chosen[changed] = tokens_of([0, 2])
+    chosen[changed] = tokens_of([0, 2])  # every slot of those heads differs from the newest blocks
     untouched, added = poisoned_fill(chosen.clone())
-    assert torch.equal(untouched, ~changed) and added == int(changed.sum()) * r
+    assert torch.equal(untouched, ~changed[..., None].expand(-1, -1, r)) and added == int(changed.sum()) * r
     keys[:, 0, :, :r] = 0.0
     recall.fill(cache, 0, cache.windows[0][1].clone())  # nothing changed: nothing restored
     assert (keys[:, 0, :, :r] == 0).all()
-    # One layer at a time: [1, H, b] for layer 1 only.
-    one = cache.windows[0][1][1:].clone()
-    one[0, 1] = tokens_of([6, 9])
-    untouched, added = poisoned_fill(one, slice(1, 2))
-    assert untouched[0].all() and untouched[1].tolist() == [True, False] and added == r
-    # Renumbered blocks (epoch): every head is rewritten, though the indices are the same.
+    # Layer 1, head 1 keeps its last block (9) and changes its first (8 -> 6): half its slots.
+    chosen = cache.windows[0][1].clone()
+    chosen[1, 1] = tokens_of([6, 9])
+    untouched, added = poisoned_fill(chosen.clone())
+    assert untouched[0].all() and untouched[1, 0].all() and added == r // 2
+    assert untouched[1, 1].tolist() == [False] * (r // 2) + [True] * (r // 2)
+    # Renumbered blocks (epoch): every slot is rewritten, though the indices are the same.
     archive = cache.archives[0]
     archive.load_state(archive.state())
     untouched, added = poisoned_fill(cache.windows[0][1].clone())

@@ -1,0 +1,87 @@
+"""A decode step's choice of a row's recall window, pooled over all layers, in one C++ call on the CPU.
+
+`recall.choose(everywhere=True)` is `Archive.select` (bound over every archived block, exact logits
+over the candidates, votes pooled by position over the 90 heads, every archived token scored) and
+`recall.fill` (the changed heads' tokens copied and rotated into the window): ~40 torch ops, most of
+them over small shapes, ~13 ms per row on a 2-core CPU for a 2k-token conversation, more than the
+decode step it precedes. `kernels/recall_choice.cpp` runs the same math with no per-op cost; its
+choice equals `Archive.select`'s up to the order of fp32 sums (near-ties may go the other way;
+`tests/h2o_cache/test_native_recall.py` compares them). The torch functions stay the reference and
+the path of every other device and dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from h2o_cache.archive import CANDIDATES, POSITIONS
+from h2o_cache.quantized import kernel
+
+_INTS = ("layers", "heads", "dim", "group", "blocks", "block", "capacity", "digest_capacity",
+         "window", "candidates", "span", "positions", "threads")
+_POINTERS = ("queries", "lo", "hi", "keys", "values", "origins", "cos", "sin",
+             "cache_keys", "cache_rotated", "cache_values")
+
+
+class _Choice(ctypes.Structure):
+    """The kernel's `Choice`: one row's archive, queries and window, as shapes, pointers and strides."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in _INTS] + [("scaling", ctypes.c_double)]
+                + [(name, ctypes.c_void_p) for name in _POINTERS]
+                + [("kv_layer_stride", ctypes.c_int64), ("kv_head_stride", ctypes.c_int64),
+                   ("cache_scores", ctypes.c_void_p), ("score_layer_stride", ctypes.c_int64),
+                   ("score_head_stride", ctypes.c_int64), ("cache_origins", ctypes.c_void_p),
+                   ("origin_layer_stride", ctypes.c_int64), ("origin_head_stride", ctypes.c_int64),
+                   ("held", ctypes.c_void_p)])
+
+
+def supports(cache) -> bool:
+    """Whether the kernel is to choose this cache's windows: asked for (`CacheConfig.recall_kernel`), fp32
+    buffers and archive on the CPU, rolling (the window's keys are rotated to its slots), head_dim a
+    multiple of 8, and the kernel built."""
+    buffers = cache.buffers()
+    return (cache.config.recall_kernel and cache.spec.device.type == "cpu" and cache.spec.dtype == torch.float32 and buffers.rotated is not None
+            and cache.spec.head_dim % 8 == 0 and buffers.keys.is_contiguous() and kernel() is not None)
+
+
+@torch.no_grad()
+def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int) -> None:
+    """`recall.choose(cache, row, ..., everywhere=True)`: fill the row's window (r = recalled[row] slots
+    per layer and KV head) with the r archived tokens per head whose positions, with their neighbours'
+    within `span`, drew the most of `queries`' ([L, H_kv, Q, D] before RoPE, grouped by KV head)
+    pooled attention; only the slots whose token changed are rewritten."""
+    r = cache.recalled[row]
+    archive = cache.archives[row]
+    storage = archive.storage()
+    layers, heads = archive.shape
+    current = cache.windows[row]
+    if current is None or current[0] != archive.epoch or current[1].shape[-1] != r:
+        current = (archive.epoch, torch.full((layers, heads, r), -1, dtype=torch.int64))
+        cache.windows[row] = current
+    held = current[1]
+    queries = queries.to(torch.float32).contiguous()
+    cos, sin = (t.contiguous() for t in cache.spec.rope.get(r))
+    buffers = cache.buffers()
+    keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
+    written = torch.zeros(layers, heads, dtype=torch.int32)
+    choice = _Choice(
+        layers=layers, heads=heads, dim=archive.head_dim, group=queries.shape[2], blocks=archive.full_blocks,
+        block=archive.block, capacity=storage["keys"].shape[2], digest_capacity=storage["lo"].shape[2],
+        window=r, candidates=min(CANDIDATES * (r // archive.block), archive.full_blocks), span=span,
+        positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
+        queries=queries.data_ptr(), lo=storage["lo"].data_ptr(), hi=storage["hi"].data_ptr(),
+        keys=storage["keys"].data_ptr(), values=storage["values"].data_ptr(), origins=storage["origins"].data_ptr(),
+        cos=cos.data_ptr(), sin=sin.data_ptr(),
+        cache_keys=keys[:, row].data_ptr(), cache_rotated=buffers.rotated[:, row].data_ptr(),
+        cache_values=buffers.values[:, row].data_ptr(), kv_layer_stride=keys.stride(0), kv_head_stride=keys.stride(2),
+        cache_scores=None if scores is None else scores[:, row].data_ptr(),
+        score_layer_stride=0 if scores is None else scores.stride(0),
+        score_head_stride=0 if scores is None else scores.stride(2),
+        cache_origins=origins[:, row].data_ptr(), origin_layer_stride=origins.stride(0),
+        origin_head_stride=origins.stride(2), held=held.data_ptr())
+    status = kernel().h2o_recall_choose(ctypes.byref(choice), written.data_ptr())
+    if status:
+        raise ValueError(f"the native recall choice refused its input (status {status})")
+    cache.recall_count[row] += int(written.sum())

@@ -1,0 +1,90 @@
+"""The C++ choice of a decode step's recall window (`native_recall`) against the torch ops it replaces
+(`Archive.select(everywhere=True)` and `recall.fill`): the same tokens in the same slots, the same
+copies, the same count, the same replies."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from h2o_cache import Generator, SamplingParams, native_recall, recall
+from tests.conftest import ByteTokenizer, tiny_llama
+from tests.h2o_cache.test_recall import assert_window_holds_archive_tokens, random_tokens, recall_config, row_state
+
+
+def conversation(model, **overrides):
+    """A 1-row cache that consumed a long conversation: its archive holds many more blocks than the
+    window's candidates, so every stage of the choice runs."""
+    gen = Generator(model, ByteTokenizer())
+    cache = gen.new_cache(1, recall_config(**overrides))
+    gen.prefill(cache, [random_tokens(220, seed=4)], recall=True)
+    archive = cache.archives[0]
+    assert archive.full_blocks > 4 * cache.recalled[0] // archive.block
+    return gen, cache
+
+
+def twin(gen, cache, **config):
+    copy = gen.new_cache(0, replace(cache.config, **config))
+    copy.extend(cache)
+    return copy
+
+
+@pytest.mark.parametrize("heads, kv_heads, span", [(4, 2, 4), (8, 1, 0), (4, 4, 3), (8, 2, 40)])
+def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span):
+    """Query groups of 2, 8 (two passes of four) and 1; spans 0 to 40. Queries: the row's own, then
+    ever noisier ones, each choice starting from the window the last one left."""
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3)
+    gen, cache = conversation(model, recall_span=span)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
+    assert native_recall.supports(kernel) and not native_recall.supports(torch_ops)
+    generator = torch.Generator().manual_seed(0)
+    queries = cache._queries
+    for noise in (0.0, 0.5, 1.0, 2.0, 4.0):
+        asked = queries + noise * torch.randn(queries.shape, generator=generator)
+        for copy in (kernel, torch_ops):
+            recall.refresh(copy, asked, copy.spec.scaling, [0])
+        assert torch.equal(kernel.windows[0][1], torch_ops.windows[0][1])
+        a, b = row_state(kernel, 0), row_state(torch_ops, 0)
+        for name in ("keys", "values", "origins", "scores", "pinned"):
+            assert torch.equal(a[name], b[name]), name
+        torch.testing.assert_close(a["rotated"], b["rotated"], rtol=1e-6, atol=1e-6)
+        assert kernel.recall_count == torch_ops.recall_count
+        assert_window_holds_archive_tokens(model, kernel, 0)
+    assert kernel.recall_count[0] > 2 * kernel.recalled[0]  # the windows changed along the way
+
+
+def test_the_kernel_writes_only_the_slots_whose_token_changed():
+    model = tiny_llama(init_std=0.3)
+    gen, cache = conversation(model)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    r = cache.recalled[0]
+    keys = cache.buffers().keys
+    recall.refresh(cache, cache._queries, cache.spec.scaling, [0])
+    keys[:, 0, :, :r] = 1234.0
+    count = cache.recall_count[0]
+    recall.refresh(cache, cache._queries, cache.spec.scaling, [0])  # the same choice: nothing to write
+    assert (keys[:, 0, :, :r] == 1234.0).all() and cache.recall_count[0] == count
+    cache.archives[0].load_state(cache.archives[0].state())  # renumbered: every slot is written again
+    recall.refresh(cache, cache._queries, cache.spec.scaling, [0])
+    assert not (keys[:, 0, :, :r] == 1234.0).all(dim=-1).any()
+    assert cache.recall_count[0] == count + keys.shape[0] * keys.shape[2] * r
+    assert_window_holds_archive_tokens(model, cache, 0)
+
+
+def test_replies_are_the_same_with_the_kernel_and_with_the_torch_ops():
+    """A reply choosing at every step, and a second turn: the same tokens and windows either way."""
+    model = tiny_llama(init_std=0.3)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    replies, windows = [], []
+    for kernel in (True, False):
+        gen = Generator(model, ByteTokenizer(), recall_config(recall_kernel=kernel))
+        cache = gen.new_cache(1)
+        tokens = [gen.generate([random_tokens(160, seed=5)], params, cache)[0].token_ids,
+                  gen.generate([random_tokens(30, seed=6)], params, cache)[0].token_ids]
+        replies.append(tokens)
+        windows.append(cache.windows[0][1])
+    assert replies[0] == replies[1]
+    assert torch.equal(windows[0], windows[1])
