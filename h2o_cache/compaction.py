@@ -96,10 +96,13 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
     dropped = ~kept & (slots < lengths[:, None, None])
     order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)  # dropped slots first, ascending
     fields = []  # per row: keys, values, scores (None without), origins of its dropped tokens
+    layers, rows_capacity, heads, capacity, _ = cache._keys.shape
     for i, (row, n) in enumerate(zip(rows, keep)):
         gone = order[:, i, :, :cache.lengths[row] - n]  # [L, H, m]
-        vectors = gone[..., None].expand(-1, -1, -1, spec.head_dim)
-        fields.append((cache._keys[:, row].gather(2, vectors), cache._values[:, row].gather(2, vectors),
+        # (l, row, h) starts at vector ((l * R + row) * H + h) * capacity: whole vectors, no expanded index
+        starts = ((torch.arange(layers, device=spec.device)[:, None, None] * rows_capacity + row) * heads
+                  + torch.arange(heads, device=spec.device)[:, None]) * capacity
+        fields.append((take_vectors(cache._keys, starts, gone), take_vectors(cache._values, starts, gone),
                        cache._scores[:, row].gather(2, gone) if cache._scores is not None else None,
                        cache._origins[:, row].gather(2, gone)))
     copied = None
