@@ -52,6 +52,10 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     if scores is not None:
         cache._scores[:, picked, :, :target] = scores.gather(3, index)
     cache._origins[:, picked, :, :target] = cache._origins[:, picked, :, :longest].gather(3, index)
+    # A recall window's slots [0, recalled) are pinned and the first slots: kept where they are, so
+    # their vectors are neither copied nor re-rotated.
+    still = min(cache.recalled[row] for row in rows) if config.recalls else 0
+    index = index[..., still:]
     # index's row (l, rows[i], h) starts at vector ((l * R + rows[i]) * H + h) * capacity of a buffer
     layers, rows_capacity, heads, capacity, _ = cache._keys.shape
     starts = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
@@ -61,14 +65,15 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     if cache.config.rolling:
         # Slots moved: every kept key takes the RoPE rotation of its new slot.
         cos, sin = spec.rope.get(target)
+        cos, sin = cos[still:], sin[still:]
         if isinstance(picked, slice):
-            rotate_into(cache._rotated[:, picked, :, :target], kept_keys, cos, sin)
+            rotate_into(cache._rotated[:, picked, :, still:target], kept_keys, cos, sin)
         else:
             rotated = torch.empty_like(kept_keys)
             rotate_into(rotated, kept_keys, cos, sin)
-            cache._rotated[:, picked, :, :target] = rotated
-    cache._keys[:, picked, :, :target] = kept_keys
-    cache._values[:, picked, :, :target] = kept_vectors(cache, cache._values, starts, index)
+            cache._rotated[:, picked, :, still:target] = rotated
+    cache._keys[:, picked, :, still:target] = kept_keys
+    cache._values[:, picked, :, still:target] = kept_vectors(cache, cache._values, starts, index)
     for row, n in zip(rows, keep):
         cache.lengths[row] = n
 
