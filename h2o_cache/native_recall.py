@@ -2,11 +2,12 @@
 
 `recall.choose(everywhere=True)` is `Archive.select` (bound over every archived block, exact logits
 over the candidates, votes pooled by position over the 90 heads, every archived token scored) and
-`recall.fill` (the changed heads' tokens copied and rotated into the window): ~40 torch ops, most of
+`recall.fill` (the changed slots' tokens copied and rotated into the window): ~40 torch ops, most of
 them over small shapes, ~13 ms per row on a 2-core CPU for a 2k-token conversation, more than the
-decode step it precedes. `kernels/recall_choice.cpp` runs the same math with no per-op cost; its
-choice equals `Archive.select`'s up to the order of fp32 sums (near-ties may go the other way;
-`tests/h2o_cache/test_native_recall.py` compares them). The torch functions stay the reference and
+decode step it precedes. `kernels/recall_choice.cpp` runs the same math with no per-op cost and
+breaks exact ties the same way (the lower index first); its choice equals `Archive.select`'s up to
+the order of fp32 sums, by which a near-tie could go the other way
+(`tests/h2o_cache/test_native_recall.py` compares them). The torch functions stay the reference and
 the path of every other device and dtype.
 """
 
@@ -41,9 +42,10 @@ def supports(cache) -> bool:
     """Whether the kernel is to choose this cache's windows: asked for (`CacheConfig.recall_kernel`), fp32
     buffers and archive on the CPU, rolling (the window's keys are rotated to its slots), head_dim a
     multiple of 8, and the kernel built."""
-    buffers = cache.buffers()
-    return (cache.config.recall_kernel and cache.spec.device.type == "cpu" and cache.spec.dtype == torch.float32 and buffers.rotated is not None
-            and cache.spec.head_dim % 8 == 0 and buffers.keys.is_contiguous() and kernel() is not None)
+    spec, buffers = cache.spec, cache.buffers()
+    return (cache.config.recall_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
+            and spec.head_dim % 8 == 0 and buffers.rotated is not None and buffers.keys.is_contiguous()
+            and kernel() is not None)
 
 
 @torch.no_grad()

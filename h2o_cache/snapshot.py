@@ -50,7 +50,12 @@ def cache_identity(cache: H2OCache, fingerprint: str) -> str:
     evolve identically from the same state."""
     spec = cache.spec
     geometry = [spec.num_layers, spec.num_kv_heads, spec.head_dim, str(spec.dtype)]
-    return json.dumps([fingerprint, geometry, dataclasses.asdict(cache.config)], sort_keys=True)
+    config = {name: value for name, value in dataclasses.asdict(cache.config).items() if name not in _HOW}
+    return json.dumps([fingerprint, geometry, config], sort_keys=True)
+
+
+# Settings that choose how a cache computes, not what it holds: a snapshot moves between them.
+_HOW = ("recall_kernel",)
 
 
 def _row_buffers(cache: H2OCache) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The recall window (`h2o_cache.recall`): its slots hold exact copies of the archived tokens the latest
 queries chose, per layer and KV head; nothing fed is lost or held twice; growing keeps the row's own
-tokens; only changed heads are rewritten; both decode paths choose alike."""
+tokens; only changed slots are rewritten; both decode paths choose alike."""
 
 import random
 import shutil

@@ -1,6 +1,8 @@
 """Snapshots of cache rows: bit-exact round trips that continue with the same greedy tokens, and
 clean refusals of snapshots from another model, config or format."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -102,3 +104,14 @@ def test_snapshots_of_another_model_config_or_format_are_refused(tiny_model, byt
     assert old != blob
     with pytest.raises(SnapshotMismatch, match="format"):
         load_row(gen.new_cache(1), old, identity)
+
+
+def test_a_snapshot_moves_between_settings_that_change_how_not_what(tiny_model, byte_tokenizer):
+    """recall_kernel picks the C++ or the torch choice of the same windows: not part of the identity."""
+    config = CacheConfig(policy="h2o", budget=12, prefill_chunk=8, recall_budget=4, recall_block=4)
+    kernel = Generator(tiny_model, byte_tokenizer, config).new_cache(1)
+    torch_ops = Generator(tiny_model, byte_tokenizer, replace(config, recall_kernel=False)).new_cache(1)
+    fingerprint = model_fingerprint(tiny_model)
+    assert cache_identity(kernel, fingerprint) == cache_identity(torch_ops, fingerprint)
+    assert cache_identity(kernel, fingerprint) != cache_identity(
+        Generator(tiny_model, byte_tokenizer, replace(config, recall_span=2)).new_cache(1), fingerprint)
