@@ -54,36 +54,54 @@ def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int) ->
     per layer and KV head) with the r archived tokens per head whose positions, with their neighbours'
     within `span`, drew the most of `queries`' ([L, H_kv, Q, D] before RoPE, grouped by KV head)
     pooled attention; only the slots whose token changed are rewritten."""
+    _run(kernel().h2o_recall_choose, cache, row, queries, scaling, slice(None), span)
+
+
+@torch.no_grad()
+def choose_blocks(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice) -> None:
+    """`recall.choose(cache, row, queries, scaling, layers)` (a prefill chunk's choice, `Archive.select`
+    by whole blocks, votes pooled over the heads of `layers`, a contiguous range): fill the window of
+    `layers` with the blocks `queries` ([L', H_kv, Q, D] before RoPE) draw the most mass to."""
+    _run(kernel().h2o_recall_choose_blocks, cache, row, queries, scaling, layers, 0)
+
+
+def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int) -> None:
+    """Call a choice of the kernel on the row's archive and window, for the layers `layers`."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()
-    layers, heads = archive.shape
+    all_layers, heads = archive.shape
+    first, end, step = layers.indices(all_layers)
+    if step != 1 or end <= first:
+        raise ValueError(f"the recall kernel chooses for a contiguous range of layers, not {layers}")
     current = cache.windows[row]
     if current is None or current[0] != archive.epoch or current[1].shape[-1] != r:
-        current = (archive.epoch, torch.full((layers, heads, r), -1, dtype=torch.int64))
+        current = (archive.epoch, torch.full((all_layers, heads, r), -1, dtype=torch.int64))
         cache.windows[row] = current
-    held = current[1]
+    held = current[1][first:end]
     queries = queries.to(torch.float32).contiguous()
     cos, sin = (t.contiguous() for t in cache.spec.rope.get(r))
     buffers = cache.buffers()
     keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
-    written = torch.zeros(layers, heads, dtype=torch.int32)
+    written = torch.zeros(end - first, heads, dtype=torch.int32)
+    blocks = r // archive.block
     choice = _Choice(
-        layers=layers, heads=heads, dim=archive.head_dim, group=queries.shape[2], blocks=archive.full_blocks,
+        layers=end - first, heads=heads, dim=archive.head_dim, group=queries.shape[2], blocks=archive.full_blocks,
         block=archive.block, capacity=storage["keys"].shape[2], digest_capacity=storage["lo"].shape[2],
-        window=r, candidates=min(CANDIDATES * (r // archive.block), archive.full_blocks), span=span,
+        window=r, candidates=min(CANDIDATES * blocks, archive.full_blocks), span=span,
         positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
-        queries=queries.data_ptr(), lo=storage["lo"].data_ptr(), hi=storage["hi"].data_ptr(),
-        keys=storage["keys"].data_ptr(), values=storage["values"].data_ptr(), origins=storage["origins"].data_ptr(),
-        cos=cos.data_ptr(), sin=sin.data_ptr(),
-        cache_keys=keys[:, row].data_ptr(), cache_rotated=buffers.rotated[:, row].data_ptr(),
-        cache_values=buffers.values[:, row].data_ptr(), kv_layer_stride=keys.stride(0), kv_head_stride=keys.stride(2),
-        cache_scores=None if scores is None else scores[:, row].data_ptr(),
+        queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
+        keys=storage["keys"][first].data_ptr(), values=storage["values"][first].data_ptr(),
+        origins=storage["origins"][first].data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+        cache_keys=keys[first, row].data_ptr(), cache_rotated=buffers.rotated[first, row].data_ptr(),
+        cache_values=buffers.values[first, row].data_ptr(), kv_layer_stride=keys.stride(0),
+        kv_head_stride=keys.stride(2),
+        cache_scores=None if scores is None else scores[first, row].data_ptr(),
         score_layer_stride=0 if scores is None else scores.stride(0),
         score_head_stride=0 if scores is None else scores.stride(2),
-        cache_origins=origins[:, row].data_ptr(), origin_layer_stride=origins.stride(0),
+        cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
         origin_head_stride=origins.stride(2), held=held.data_ptr())
-    status = kernel().h2o_recall_choose(ctypes.byref(choice), written.data_ptr())
+    status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
     cache.recall_count[row] += int(written.sum())

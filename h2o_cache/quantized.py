@@ -129,6 +129,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_decode_step.argtypes = [ctypes.POINTER(StepLayout), *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
     lib.h2o_recall_choose.restype = ctypes.c_int
     lib.h2o_recall_choose.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.h2o_recall_choose_blocks.restype = ctypes.c_int
+    lib.h2o_recall_choose_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 

@@ -127,6 +127,107 @@ inline void softmax_into(float* p, int64_t n, float scaling, float* mass) {
     for (int64_t j = i; j < n; ++j) mass[j] += p[j] * inverse;
 }
 
+// Items packed for `panel_product`: tiles of 16 items, each [depth][16] (item i of a tile at
+// column i), the items past the last zero.
+constexpr int64_t TILE = 16;
+
+// out[g * ldo + j] = q[g] . item j, for queries g < G (rows of `depth` floats, G a multiple of 4) and
+// the items of `tiles` packed tiles (j < 16 * tiles): 4 queries x 16 items per pass over the depth,
+// eight accumulators, every item loaded once per 4 queries and every query value broadcast once.
+void panel_product_avx2(const float* q, int64_t G, int64_t depth, const float* panel, int64_t tiles, float* out,
+                        int64_t ldo) {
+    for (int64_t g = 0; g < G; g += 4) {
+        const float *q0 = q + g * depth, *q1 = q0 + depth, *q2 = q1 + depth, *q3 = q2 + depth;
+        for (int64_t t = 0; t < tiles; ++t) {
+            const float* p = panel + t * depth * TILE;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+            for (int64_t d = 0; d < depth; ++d) {
+                const __m256 lo = _mm256_loadu_ps(p + d * TILE), hi = _mm256_loadu_ps(p + d * TILE + 8);
+                __m256 x = _mm256_broadcast_ss(q0 + d);
+                a0 = _mm256_fmadd_ps(lo, x, a0);
+                a1 = _mm256_fmadd_ps(hi, x, a1);
+                x = _mm256_broadcast_ss(q1 + d);
+                b0 = _mm256_fmadd_ps(lo, x, b0);
+                b1 = _mm256_fmadd_ps(hi, x, b1);
+                x = _mm256_broadcast_ss(q2 + d);
+                c0 = _mm256_fmadd_ps(lo, x, c0);
+                c1 = _mm256_fmadd_ps(hi, x, c1);
+                x = _mm256_broadcast_ss(q3 + d);
+                d0 = _mm256_fmadd_ps(lo, x, d0);
+                d1 = _mm256_fmadd_ps(hi, x, d1);
+            }
+            float* o = out + g * ldo + t * TILE;
+            _mm256_storeu_ps(o, a0);
+            _mm256_storeu_ps(o + 8, a1);
+            _mm256_storeu_ps(o + ldo, b0);
+            _mm256_storeu_ps(o + ldo + 8, b1);
+            _mm256_storeu_ps(o + 2 * ldo, c0);
+            _mm256_storeu_ps(o + 2 * ldo + 8, c1);
+            _mm256_storeu_ps(o + 3 * ldo, d0);
+            _mm256_storeu_ps(o + 3 * ldo + 8, d1);
+        }
+    }
+}
+
+// The same with AVX-512: two tiles (32 items) per pass, one register each. Every output is the same
+// sequence of fused multiply-adds over the depth as in the AVX2 version, so the two agree bit for bit.
+__attribute__((target("avx512f")))
+void panel_product_avx512(const float* q, int64_t G, int64_t depth, const float* panel, int64_t tiles, float* out,
+                          int64_t ldo) {
+    for (int64_t g = 0; g < G; g += 4) {
+        const float *q0 = q + g * depth, *q1 = q0 + depth, *q2 = q1 + depth, *q3 = q2 + depth;
+        int64_t t = 0;
+        for (; t + 2 <= tiles; t += 2) {
+            const float* p = panel + t * depth * TILE;
+            const float* p1 = p + depth * TILE;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+            for (int64_t d = 0; d < depth; ++d) {
+                const __m512 x0 = _mm512_loadu_ps(p + d * TILE), x1 = _mm512_loadu_ps(p1 + d * TILE);
+                __m512 y = _mm512_set1_ps(q0[d]);
+                a0 = _mm512_fmadd_ps(x0, y, a0);
+                a1 = _mm512_fmadd_ps(x1, y, a1);
+                y = _mm512_set1_ps(q1[d]);
+                b0 = _mm512_fmadd_ps(x0, y, b0);
+                b1 = _mm512_fmadd_ps(x1, y, b1);
+                y = _mm512_set1_ps(q2[d]);
+                c0 = _mm512_fmadd_ps(x0, y, c0);
+                c1 = _mm512_fmadd_ps(x1, y, c1);
+                y = _mm512_set1_ps(q3[d]);
+                d0 = _mm512_fmadd_ps(x0, y, d0);
+                d1 = _mm512_fmadd_ps(x1, y, d1);
+            }
+            float* o = out + g * ldo + t * TILE;
+            _mm512_storeu_ps(o, a0);
+            _mm512_storeu_ps(o + TILE, a1);
+            _mm512_storeu_ps(o + ldo, b0);
+            _mm512_storeu_ps(o + ldo + TILE, b1);
+            _mm512_storeu_ps(o + 2 * ldo, c0);
+            _mm512_storeu_ps(o + 2 * ldo + TILE, c1);
+            _mm512_storeu_ps(o + 3 * ldo, d0);
+            _mm512_storeu_ps(o + 3 * ldo + TILE, d1);
+        }
+        if (t < tiles) panel_product_avx2(q + g * depth, 4, depth, panel + t * depth * TILE, 1, out + g * ldo + t * TILE, ldo);
+    }
+}
+
+// panel_product_avx512 where the CPU has AVX-512, else panel_product_avx2 (the same results).
+void panel_product(const float* q, int64_t G, int64_t depth, const float* panel, int64_t tiles, float* out,
+                   int64_t ldo) {
+    static const bool wide = __builtin_cpu_supports("avx512f");
+    (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
+}
+
+// Rows offset .. offset + width of the tiles (`panel_product`, `depth` rows each) <- n items, item j's
+// values at rows(j) (width floats); the panel must be zeroed first (past the last item it stays 0).
+template <class Row>
+void pack_tiles(int64_t n, int64_t width, int64_t depth, int64_t offset, Row rows, float* panel) {
+    for (int64_t j = 0; j < n; ++j) {
+        const float* row = rows(j);
+        float* column = panel + (j / TILE) * depth * TILE + offset * TILE + j % TILE;
+        for (int64_t d = 0; d < width; ++d) column[d * TILE] = row[d];
+    }
+}
+
 // A score >= 0 and an index packed so that a greater key is a greater score, then a lower index
 // (the bits of a non-negative float order as the float does).
 inline uint64_t rank_key(float score, int64_t index) {
@@ -146,50 +247,78 @@ void best_of(const float* score, int64_t n, int64_t k, std::vector<uint64_t>& ke
     std::sort(out, out + k);
 }
 
-// Stages 1-2 for one head: its candidates' key indices (storage order) and their masses.
+// Scratch of one thread: queries split into their parts, logits, masses, ranking keys.
 struct Scratch {
     std::vector<float> queries, logits, mass;
     std::vector<int64_t> best;
     std::vector<uint64_t> keys;
 };
 
-void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, float* mass_out) {
-    const int64_t N = c.blocks, B = c.block, D = c.dim, G = c.group, C = c.candidates, K = C * B;
-    const int64_t padded = (G + 3) / 4 * 4, stride = std::max(N, K);
-    const float scaling = static_cast<float>(c.scaling);
-    const float* lo = c.lo + head * c.digest_capacity * D;
-    const float* hi = c.hi + head * c.digest_capacity * D;
-    // [3][padded][D]: the queries, their positive parts, their negative parts (padding rows 0)
+// Queries g0 .. g1 of one head, into s.queries as [3][padded][D]: the queries, their positive parts,
+// their negative parts (padding rows 0). Returns the padded count.
+int64_t load_queries(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& s) {
+    const int64_t D = c.dim, G = g1 - g0, padded = (G + 3) / 4 * 4;
     s.queries.assign(3 * padded * D, 0.0f);
     float *q = s.queries.data(), *positive = q + padded * D, *negative = positive + padded * D;
-    memcpy(q, c.queries + head * G * D, G * D * sizeof(float));
+    memcpy(q, c.queries + (head * c.group + g0) * D, G * D * sizeof(float));
     for (int64_t i = 0; i < G * D; ++i) {
         positive[i] = std::max(q[i], 0.0f);
         negative[i] = std::min(q[i], 0.0f);
     }
-    s.logits.resize(padded * stride);
+    return padded;
+}
+
+// Stage 1 for queries g0 .. g1 of one head: mass[n] += each query's softmax over the N blocks of the
+// digests' bound (mass: N floats, not cleared).
+void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& s, float* mass) {
+    const int64_t N = c.blocks, D = c.dim, G = g1 - g0;
+    const int64_t padded = load_queries(c, head, g0, g1, s);
+    const float* positive = s.queries.data() + padded * D;
+    const float* negative = positive + padded * D;
+    const float* lo = c.lo + head * c.digest_capacity * D;
+    const float* hi = c.hi + head * c.digest_capacity * D;
+    s.logits.resize(padded * N);
     float* logits = s.logits.data();
-    s.mass.assign(N, 0.0f);
-    score_items(G, N, stride, logits, [&](int64_t g, int64_t n) {
+    score_items(G, N, N, logits, [&](int64_t g, int64_t n) {
         return bound4(lo + n * D, hi + n * D, positive + g * D, negative + g * D, D);
     });
-    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * stride, N, scaling, s.mass.data());
+    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * N, N, static_cast<float>(c.scaling), mass);
+}
+
+// Stage 2 for queries g0 .. g1 of one head: mass[k] += each query's softmax over the K candidate keys
+// (storage indices `keys_at`) of q.k * scaling (mass: K floats, not cleared). The queries must be
+// loaded (`load_queries`, the same range).
+void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int64_t* keys_at, int64_t K,
+                Scratch& s, float* mass) {
+    const int64_t B = c.block, D = c.dim, G = g1 - g0;
+    const float* q = s.queries.data();
+    const float* keys = c.keys + head * c.capacity * D;
+    s.logits.resize((G + 3) / 4 * 4 * K);
+    float* logits = s.logits.data();
+    // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
+    // two blocks before it is needed
+    constexpr int64_t ahead = 2;
+    score_items(G, K, K, logits, [&](int64_t g, int64_t k) {
+        if (k % B == 0 && k + ahead * B < K)
+            for (int64_t i = 0; i < B * D; i += 16)
+                _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
+        return dot4(keys + keys_at[k] * D, q + g * D, D);
+    });
+    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass);
+}
+
+// Stages 1-2 for one head, all its queries: its candidates' key indices (storage order, the blocks
+// ascending) and their masses.
+void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, float* mass_out) {
+    const int64_t N = c.blocks, B = c.block, C = c.candidates, K = C * B;
+    s.mass.assign(N, 0.0f);
+    bound_part(c, head, 0, c.group, s, s.mass.data());
     s.best.resize(C);
     best_of(s.mass.data(), N, C, s.keys, s.best.data());
     for (int64_t j = 0; j < C; ++j)
         for (int64_t i = 0; i < B; ++i) keys_out[j * B + i] = s.best[j] * B + i;
-    const float* keys = c.keys + head * c.capacity * D;
-    // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
-    // two blocks before it is needed
-    constexpr int64_t ahead = 2;
-    score_items(G, K, stride, logits, [&](int64_t g, int64_t k) {
-        if (k % B == 0 && k + ahead * B < K)
-            for (int64_t i = 0; i < B * D; i += 16)
-                _mm_prefetch(reinterpret_cast<const char*>(keys + keys_out[k + ahead * B] * D + i), _MM_HINT_T0);
-        return dot4(keys + keys_out[k] * D, q + g * D, D);
-    });
     std::fill(mass_out, mass_out + K, 0.0f);
-    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * stride, K, scaling, mass_out);
+    exact_part(c, head, 0, c.group, keys_out, K, s, mass_out);
 }
 
 // The window slots of one head whose token changed <- copies of the archive tokens `tokens` (keys
@@ -275,6 +404,143 @@ int choose(const Choice& c, int32_t* written) {
     return 0;
 }
 
+// A prefill chunk's choice for the heads of a few layers (`Archive.select` without `everywhere`):
+// per head, the `candidates` blocks of most bound mass (ranked: most first, ties the lower block);
+// every candidate key's exact mass added to the vote of its position, over all the heads of the call
+// in head order; each head's candidate blocks scored by their tokens' votes, the `window / block` best
+// taken (ties: the better-ranked candidate), their tokens in ascending order into the window.
+// A chunk's queries are many (a query group times the chunk): both stages are products of the
+// queries with packed tiles of digests or keys (`panel_product`), and each head's queries are split
+// into parts of a fixed size whose masses are summed in part order, so that the threads share the
+// work and the result does not depend on their count.
+int choose_blocks(const Choice& c, int32_t* written) {
+    const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, N = c.blocks, C = c.candidates;
+    const int64_t D = c.dim, K = C * B, want = r / B, mask = c.positions - 1;
+    if (c.positions <= 0 || (c.positions & mask) || r % B || want > N || r <= 0 || C > N || C < want || D % 8)
+        return 1;
+    const int threads = static_cast<int>(c.threads);
+    constexpr int64_t part = 48;  // queries per task, a multiple of 4
+    const int64_t parts = (c.group + part - 1) / part, tasks = heads * parts;
+    const float scaling = static_cast<float>(c.scaling);
+    std::vector<int64_t> chosen(heads * r);
+    if (C == want) {  // every candidate is taken: the archive's blocks fill the window
+        for (int64_t head = 0; head < heads; ++head)
+            std::iota(chosen.begin() + head * r, chosen.begin() + (head + 1) * r, 0);
+    } else {
+        const int64_t bound_tiles = (N + TILE - 1) / TILE, key_tiles = (K + TILE - 1) / TILE;
+        const int64_t bound_size = bound_tiles * TILE * 2 * D, key_size = key_tiles * TILE * D;
+        const int64_t stride = std::max(N, K);
+        std::vector<float> panels(heads * std::max(bound_size, key_size)), partial(tasks * stride);
+        std::vector<int64_t> candidates(heads * K), ranked(heads * C);
+        // a task's queries: [part][D] as they are, or [part][2D] split into positive and negative parts
+        auto load = [&](int64_t head, int64_t g0, int64_t g1, bool split, std::vector<float>& q) {
+            const int64_t width = split ? 2 * D : D;
+            q.assign(part * width, 0.0f);
+            for (int64_t g = g0; g < g1; ++g) {
+                const float* from = c.queries + (head * c.group + g) * D;
+                float* to = q.data() + (g - g0) * width;
+                for (int64_t d = 0; d < D; ++d) {
+                    if (split) {
+                        to[d] = std::max(from[d], 0.0f);
+                        to[D + d] = std::min(from[d], 0.0f);
+                    } else {
+                        to[d] = from[d];
+                    }
+                }
+            }
+        };
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<float> q, logits;
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < heads; ++head) {  // digests: rows [0, D) hi, [D, 2D) lo
+                float* panel = panels.data() + head * bound_size;
+                std::fill(panel, panel + bound_size, 0.0f);
+                const float* hi = c.hi + head * c.digest_capacity * D;
+                const float* lo = c.lo + head * c.digest_capacity * D;
+                pack_tiles(N, D, 2 * D, 0, [&](int64_t n) { return hi + n * D; }, panel);
+                pack_tiles(N, D, 2 * D, D, [&](int64_t n) { return lo + n * D; }, panel);
+            }
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < tasks; ++task) {
+                const int64_t head = task / parts, g0 = task % parts * part, g1 = std::min(c.group, g0 + part);
+                load(head, g0, g1, true, q);
+                const int64_t ldo = bound_tiles * TILE, rows = (g1 - g0 + 3) / 4 * 4;
+                logits.resize(rows * ldo);
+                panel_product(q.data(), rows, 2 * D, panels.data() + head * bound_size, bound_tiles, logits.data(), ldo);
+                float* mass = partial.data() + task * stride;
+                std::fill(mass, mass + N, 0.0f);
+                for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, N, scaling, mass);
+            }
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < heads; ++head) {
+                std::vector<float> total(N, 0.0f);
+                for (int64_t p = 0; p < parts; ++p)
+                    for (int64_t n = 0; n < N; ++n) total[n] += partial[(head * parts + p) * stride + n];
+                std::vector<uint64_t> keys(N);
+                for (int64_t n = 0; n < N; ++n) keys[n] = rank_key(total[n], n);
+                std::partial_sort(keys.begin(), keys.begin() + C, keys.end(), std::greater<uint64_t>());
+                int64_t* at = candidates.data() + head * K;
+                for (int64_t j = 0; j < C; ++j) {
+                    const int64_t b = key_index(keys[j]);
+                    ranked[head * C + j] = b;
+                    for (int64_t i = 0; i < B; ++i) at[j * B + i] = b * B + i;
+                }
+                float* panel = panels.data() + head * key_size;  // the digests' panel is spent
+                std::fill(panel, panel + key_size, 0.0f);
+                const float* stored = c.keys + head * c.capacity * D;
+                pack_tiles(K, D, D, 0, [&](int64_t k) { return stored + at[k] * D; }, panel);
+            }
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < tasks; ++task) {
+                const int64_t head = task / parts, g0 = task % parts * part, g1 = std::min(c.group, g0 + part);
+                load(head, g0, g1, false, q);
+                const int64_t ldo = key_tiles * TILE, rows = (g1 - g0 + 3) / 4 * 4;
+                logits.resize(rows * ldo);
+                panel_product(q.data(), rows, D, panels.data() + head * key_size, key_tiles, logits.data(), ldo);
+                float* mass = partial.data() + task * stride;
+                std::fill(mass, mass + K, 0.0f);
+                for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, K, scaling, mass);
+            }
+        }
+        // one thread, in head, part and key order: the votes' sums do not depend on the thread count
+        static thread_local std::vector<float> votes;
+        votes.assign(c.positions, 0.0f);
+        std::vector<float> mass(K);
+        for (int64_t head = 0; head < heads; ++head) {
+            std::fill(mass.begin(), mass.end(), 0.0f);
+            for (int64_t p = 0; p < parts; ++p)
+                for (int64_t k = 0; k < K; ++k) mass[k] += partial[(head * parts + p) * stride + k];
+            const int64_t* origins = c.origins + head * c.capacity;
+            for (int64_t k = 0; k < K; ++k) votes[origins[candidates[head * K + k]] & mask] += mass[k];
+        }
+        const float* vote = votes.data();
+#pragma omp parallel num_threads(threads)
+        {
+            std::vector<uint64_t> keys(C);
+            std::vector<int64_t> best(want);
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < heads; ++head) {
+                const int64_t* origins = c.origins + head * c.capacity;
+                for (int64_t j = 0; j < C; ++j) {
+                    float score = 0.0f;
+                    for (int64_t i = 0; i < B; ++i) score += vote[origins[candidates[head * K + j * B + i]] & mask];
+                    keys[j] = rank_key(score, j);
+                }
+                std::partial_sort(keys.begin(), keys.begin() + want, keys.end(), std::greater<uint64_t>());
+                for (int64_t j = 0; j < want; ++j) best[j] = ranked[head * C + key_index(keys[j])];
+                std::sort(best.begin(), best.end());
+                for (int64_t j = 0; j < want; ++j)
+                    for (int64_t i = 0; i < B; ++i) chosen[head * r + j * B + i] = best[j] * B + i;
+            }
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t head = 0; head < heads; ++head)
+        written[head] = fill_head(c, head / c.heads, head % c.heads, chosen.data() + head * r, c.held + head * r);
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -282,5 +548,9 @@ extern "C" {
 // Choose and fill one row's recall window over all layers (see Choice); written: [L, H] int32, the
 // slots rewritten per head. Returns 0, or nonzero with nothing written for a shape it cannot run.
 int h2o_recall_choose(const Choice* choice, int32_t* written) { return choose(*choice, written); }
+
+// Choose and fill one row's recall window in a few layers by whole blocks, for a prefill chunk's
+// queries (see choose_blocks); the Choice's pointers start at the first of those layers.
+int h2o_recall_choose_blocks(const Choice* choice, int32_t* written) { return choose_blocks(*choice, written); }
 
 }

@@ -1,6 +1,6 @@
-"""The C++ choice of a decode step's recall window (`native_recall`) against the torch ops it replaces
-(`Archive.select(everywhere=True)` and `recall.fill`): the same tokens in the same slots, the same
-copies, the same count, the same replies."""
+"""The C++ choices of a recall window (`native_recall`: a decode step's over all layers, a prefill
+chunk's by whole blocks) against the torch ops they replace (`Archive.select` and `recall.fill`): the
+same tokens in the same slots, the same copies, the same count, the same replies."""
 
 from dataclasses import replace
 
@@ -53,6 +53,43 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
         assert kernel.recall_count == torch_ops.recall_count
         assert_window_holds_archive_tokens(model, kernel, 0)
     assert kernel.recall_count[0] > 2 * kernel.recalled[0]  # the windows changed along the way
+
+
+@pytest.mark.parametrize("heads, kv_heads, chunk, layers", [(4, 2, 8, (0, 1)), (8, 1, 12, (1, 2)), (4, 4, 30, (0, 2))])
+def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, kv_heads, chunk, layers):
+    """A prefill chunk's choice by whole blocks, votes pooled over the heads of its layers: query
+    groups of 2, 8 and 1 times chunks of 8-30 (8 x 12 = 96 queries per KV head: parts of 48 summed),
+    one layer or two, noisier queries each time, each starting from the window the last one left."""
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3)
+    gen, cache = conversation(model)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
+    generator = torch.Generator().manual_seed(1)
+    spec = cache.spec
+    chosen = slice(*layers)
+    base = torch.randn(layers[1] - layers[0], spec.num_heads, chunk, spec.head_dim, generator=generator)
+    for noise in (0.0, 0.5, 1.0, 3.0):
+        asked = base + noise * torch.randn(base.shape, generator=generator)
+        for copy in (kernel, torch_ops):
+            recall.choose(copy, 0, asked, copy.spec.scaling, chosen)
+        assert torch.equal(kernel.windows[0][1], torch_ops.windows[0][1])
+        a, b = row_state(kernel, 0), row_state(torch_ops, 0)
+        for name in ("keys", "values", "origins", "scores", "pinned"):
+            assert torch.equal(a[name], b[name]), name
+        torch.testing.assert_close(a["rotated"], b["rotated"], rtol=1e-6, atol=1e-6)
+        assert kernel.recall_count == torch_ops.recall_count
+        assert_window_holds_archive_tokens(model, kernel, 0)
+    window = kernel.windows[0][1]
+    r, block = kernel.recalled[0], kernel.config.recall_block
+    assert kernel.recall_count[0] > r  # the windows changed along the way
+    # whole blocks, ascending, in the chosen layers only: the other layers' windows were not touched
+    assert torch.equal(window[chosen].view(*window[chosen].shape[:2], -1, block) % block,
+                       torch.arange(block).expand(*window[chosen].shape[:2], r // block, block))
+    assert (window[chosen].diff(dim=-1) > 0).all()
+    untouched = torch.ones(window.shape[0], dtype=torch.bool)
+    untouched[chosen] = False
+    assert torch.equal(window[untouched], cache.windows[0][1][untouched])
 
 
 def test_the_kernel_writes_only_the_slots_whose_token_changed():
