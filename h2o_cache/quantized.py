@@ -131,6 +131,9 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_recall_choose.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.h2o_recall_choose_blocks.restype = ctypes.c_int
     lib.h2o_recall_choose_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.h2o_recall_panel_product.restype = ctypes.c_int
+    lib.h2o_recall_panel_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
 
 

@@ -549,6 +549,15 @@ extern "C" {
 // slots rewritten per head. Returns 0, or nonzero with nothing written for a shape it cannot run.
 int h2o_recall_choose(const Choice* choice, int32_t* written) { return choose(*choice, written); }
 
+// panel_product with a chosen instruction set (wide: AVX-512, where the CPU has it), for the tests;
+// returns nonzero where it cannot run.
+int h2o_recall_panel_product(const float* q, int64_t G, int64_t depth, const float* panel, int64_t tiles, float* out,
+                             int64_t ldo, int wide) {
+    if (G % 4 || ldo < tiles * TILE || (wide && !__builtin_cpu_supports("avx512f"))) return 1;
+    (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
+    return 0;
+}
+
 // Choose and fill one row's recall window in a few layers by whole blocks, for a prefill chunk's
 // queries (see choose_blocks); the Choice's pointers start at the first of those layers.
 int h2o_recall_choose_blocks(const Choice* choice, int32_t* written) { return choose_blocks(*choice, written); }

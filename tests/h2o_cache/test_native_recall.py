@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h2o_cache import Generator, SamplingParams, native_recall, recall
+from h2o_cache.quantized import kernel
 from tests.conftest import ByteTokenizer, tiny_llama
 from tests.h2o_cache.test_recall import assert_window_holds_archive_tokens, random_tokens, recall_config, row_state
 
@@ -90,6 +91,32 @@ def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, k
     untouched = torch.ones(window.shape[0], dtype=torch.bool)
     untouched[chosen] = False
     assert torch.equal(window[untouched], cache.windows[0][1][untouched])
+
+
+@pytest.mark.parametrize("items, depth", [(16, 8), (45, 64), (226, 128)])
+def test_the_products_of_queries_and_packed_tiles_agree_on_both_instruction_sets(items, depth):
+    """The prefill choice's products (`panel_product`): AVX2 and AVX-512 give the same floats (the same
+    fused multiply-adds per output), and both the product of the queries with the items."""
+    lib = kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    generator = torch.Generator().manual_seed(items)
+    queries, rows = torch.randn(12, depth, generator=generator), torch.randn(items, depth, generator=generator)
+    tiles = -(-items // 16)
+    padded = torch.zeros(tiles * 16, depth)
+    padded[:items] = rows
+    panel = padded.view(tiles, 16, depth).transpose(1, 2).contiguous()  # tile t: [depth][16]
+    results = {}
+    for wide in (0, 1):
+        out = torch.full((12, tiles * 16 + 3), float("nan"))
+        if lib.h2o_recall_panel_product(queries.data_ptr(), 12, depth, panel.data_ptr(), tiles, out.data_ptr(),
+                                        out.shape[1], wide):
+            continue  # no AVX-512 on this CPU
+        results[wide] = out[:, :items]
+        torch.testing.assert_close(out[:, :items], queries @ rows.T, rtol=1e-5, atol=1e-4)
+        assert (out[:, items:tiles * 16] == 0).all() and out[:, tiles * 16:].isnan().all()
+    if len(results) == 2:
+        assert torch.equal(results[0], results[1])
 
 
 def test_the_kernel_writes_only_the_slots_whose_token_changed():
