@@ -28,7 +28,8 @@ A conversation longer than the model's window is reported as n/a for `full`, whi
 Caches: `policy:budget`, with `+rN` for a recall budget of N tokens (`h2o:256+r128`); `full` has
 no budget. A one-prompt cell is fed as one user turn too: with recall, its last tokens (the question)
 probe what the prompt's beginning evicted, as the server does. Prompts are fed in chunks of
-budget // 4, 512 for full, as in the other benches.
+budget // 2 with recall (as the server feeds them), budget // 4 without (as in the other benches), 512
+for full.
 """
 
 from __future__ import annotations
@@ -269,8 +270,8 @@ def cache_config(spec: str, settings: dict[str, str] | None = None) -> CacheConf
     if policy == "full":
         return CacheConfig(policy="full", prefill_chunk=FULL_CHUNK)
     budget, _, recall = budget.partition("+r")
-    config = CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, int(budget) // 4),
-                         recall_budget=int(recall or 0))
+    chunk = int(budget) // (2 if recall else 4)  # the server's chunk with recall
+    config = CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, chunk), recall_budget=int(recall or 0))
     return replace(config, **{name: _parse_field(name, value) for name, value in (settings or {}).items()})
 
 

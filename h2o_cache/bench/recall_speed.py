@@ -10,7 +10,7 @@ recall on vs off at the same budget.
   one C++ call on the CPU, and with `--torch-choice` also on the torch ops). Windows of `--steps` steps (>= slack, so each
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off.
-- prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 4 (the server's), with
+- prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
   recall as configured by default (every chunk chooses layer by layer with all its queries; the
   windows grow), with chunks choosing by 16 of their queries per head (`recall_queries=16`), with
   that and `recall_ahead` (a body chunk takes the window its previous chunk chose, all layers in one
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             table.append([f"decode step, batch {batch}, {name}", 1e3 * statistics.median(times["off"]),
                           1e3 * statistics.median(times[name]), ratio, "<= 1.25", "met" if ratio <= 1.25 else "MISSED"])
     prompt = torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-    chunk = max(1, args.budget // 4)
+    chunk = max(1, args.budget // 2)  # the server's chunk with recall
     prefills = {"off": replace(configs["off"], prefill_chunk=chunk),
                 "on": CacheConfig(budget=args.budget, recall_budget=args.recall, prefill_chunk=chunk)}
     prefills["16 queries"] = replace(prefills["on"], recall_queries=16)

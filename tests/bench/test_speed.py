@@ -44,8 +44,8 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
     assert [row.split(" |")[0] for row in rows] == [
         "| decode step, batch 1, on, every 1", "| decode step, batch 1, on, every 3",
         "| decode step, batch 2, on, every 1", "| decode step, batch 2, on, every 3",
-        "| prefill of a 100-token prompt in chunks of 8",
-        "| prefill of a 100-token prompt in chunks of 8, chunks choosing by 16 queries per head (recall_queries)",
-        "| prefill of a 100-token prompt in chunks of 8, and body chunks given their previous chunk's choice (recall_ahead)"]
+        "| prefill of a 100-token prompt in chunks of 16",
+        "| prefill of a 100-token prompt in chunks of 16, chunks choosing by 16 queries per head (recall_queries)",
+        "| prefill of a 100-token prompt in chunks of 16, and body chunks given their previous chunk's choice (recall_ahead)"]
     assert all(row.endswith(("| met |", "| MISSED |")) for row in rows)
     assert "Archive after the history: 90 tokens per layer/head" in out

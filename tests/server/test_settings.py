@@ -64,9 +64,9 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     assert (config.recall_queries, config.recall_ahead) == (16, True)
 
 
-def test_prompts_are_fed_in_quarter_budget_chunks_with_recall_and_256_without_unless_told():
-    assert parse().cache_config().prefill_chunk == 64  # budget 256, recall on
-    assert parse("--kv-budget", "1024").cache_config().prefill_chunk == 256
+def test_prompts_are_fed_in_half_budget_chunks_with_recall_and_256_without_unless_told():
+    assert parse().cache_config().prefill_chunk == 128  # budget 256, recall on
+    assert parse("--kv-budget", "1024").cache_config().prefill_chunk == 512
     assert parse("--recall-budget", "0").cache_config().prefill_chunk == 256
     assert parse("--policy", "full").cache_config().prefill_chunk == 256
     assert parse("--prefill-chunk", "100").cache_config().prefill_chunk == 100
