@@ -349,6 +349,15 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
     return written;
 }
 
+// Every head's window <- its `window` tokens of `chosen` ([heads][window]); written[head]: the slots
+// rewritten.
+void fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
+    const int64_t heads = c.layers * c.heads, r = c.window;
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(c.threads))
+    for (int64_t head = 0; head < heads; ++head)
+        written[head] = fill_head(c, head / c.heads, head % c.heads, chosen + head * r, c.held + head * r);
+}
+
 int choose(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, n = c.blocks * B;
     const int64_t K = c.candidates * B, mask = c.positions - 1;
@@ -398,9 +407,7 @@ int choose(const Choice& c, int32_t* written) {
             }
         }
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t head = 0; head < heads; ++head)
-        written[head] = fill_head(c, head / c.heads, head % c.heads, chosen.data() + head * r, c.held + head * r);
+    fill_all(c, chosen.data(), written);
     return 0;
 }
 
@@ -432,13 +439,17 @@ int choose_blocks(const Choice& c, int32_t* written) {
         const int64_t stride = std::max(N, K);
         std::vector<float> panels(heads * std::max(bound_size, key_size)), partial(tasks * stride);
         std::vector<int64_t> candidates(heads * K), ranked(heads * C);
-        // a task's queries: [part][D] as they are, or [part][2D] split into positive and negative parts
-        auto load = [&](int64_t head, int64_t g0, int64_t g1, bool split, std::vector<float>& q) {
-            const int64_t width = split ? 2 * D : D;
-            q.assign(part * width, 0.0f);
+        // one task of a stage: queries g0 .. g1 of a head ([part][D] as they are, or split into their
+        // positive and negative parts, [part][2D], against the digests' rows hi then lo) times the head's
+        // panel of `tiles` tiles; partial[task] <- each query's softmax over the `items` items, summed
+        auto stage = [&](int64_t task, bool split, int64_t panel_size, int64_t tiles, int64_t items,
+                         std::vector<float>& q, std::vector<float>& logits) {
+            const int64_t head = task / parts, g0 = task % parts * part, g1 = std::min(c.group, g0 + part);
+            const int64_t depth = split ? 2 * D : D;
+            q.assign(part * depth, 0.0f);
             for (int64_t g = g0; g < g1; ++g) {
                 const float* from = c.queries + (head * c.group + g) * D;
-                float* to = q.data() + (g - g0) * width;
+                float* to = q.data() + (g - g0) * depth;
                 for (int64_t d = 0; d < D; ++d) {
                     if (split) {
                         to[d] = std::max(from[d], 0.0f);
@@ -448,6 +459,12 @@ int choose_blocks(const Choice& c, int32_t* written) {
                     }
                 }
             }
+            const int64_t ldo = tiles * TILE, rows = (g1 - g0 + 3) / 4 * 4;
+            logits.resize(rows * ldo);
+            panel_product(q.data(), rows, depth, panels.data() + head * panel_size, tiles, logits.data(), ldo);
+            float* mass = partial.data() + task * stride;
+            std::fill(mass, mass + items, 0.0f);
+            for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, items, scaling, mass);
         };
 #pragma omp parallel num_threads(threads)
         {
@@ -462,16 +479,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 pack_tiles(N, D, 2 * D, D, [&](int64_t n) { return lo + n * D; }, panel);
             }
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < tasks; ++task) {
-                const int64_t head = task / parts, g0 = task % parts * part, g1 = std::min(c.group, g0 + part);
-                load(head, g0, g1, true, q);
-                const int64_t ldo = bound_tiles * TILE, rows = (g1 - g0 + 3) / 4 * 4;
-                logits.resize(rows * ldo);
-                panel_product(q.data(), rows, 2 * D, panels.data() + head * bound_size, bound_tiles, logits.data(), ldo);
-                float* mass = partial.data() + task * stride;
-                std::fill(mass, mass + N, 0.0f);
-                for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, N, scaling, mass);
-            }
+            for (int64_t task = 0; task < tasks; ++task) stage(task, true, bound_size, bound_tiles, N, q, logits);
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 std::vector<float> total(N, 0.0f);
@@ -492,16 +500,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 pack_tiles(K, D, D, 0, [&](int64_t k) { return stored + at[k] * D; }, panel);
             }
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < tasks; ++task) {
-                const int64_t head = task / parts, g0 = task % parts * part, g1 = std::min(c.group, g0 + part);
-                load(head, g0, g1, false, q);
-                const int64_t ldo = key_tiles * TILE, rows = (g1 - g0 + 3) / 4 * 4;
-                logits.resize(rows * ldo);
-                panel_product(q.data(), rows, D, panels.data() + head * key_size, key_tiles, logits.data(), ldo);
-                float* mass = partial.data() + task * stride;
-                std::fill(mass, mass + K, 0.0f);
-                for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, K, scaling, mass);
-            }
+            for (int64_t task = 0; task < tasks; ++task) stage(task, false, key_size, key_tiles, K, q, logits);
         }
         // one thread, in head, part and key order: the votes' sums do not depend on the thread count
         static thread_local std::vector<float> votes;
@@ -535,9 +534,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
             }
         }
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t head = 0; head < heads; ++head)
-        written[head] = fill_head(c, head / c.heads, head % c.heads, chosen.data() + head * r, c.held + head * r);
+    fill_all(c, chosen.data(), written);
     return 0;
 }
 

@@ -30,6 +30,18 @@ def twin(gen, cache, **config):
     return copy
 
 
+def assert_same_windows(model, kernel, torch_ops):
+    """Row 0 of the two caches: the same tokens in the same window slots, the same copies (rotated
+    keys to within rounding), the same count of slots written; the kernel's window holds what it names."""
+    assert torch.equal(kernel.windows[0][1], torch_ops.windows[0][1])
+    a, b = row_state(kernel, 0), row_state(torch_ops, 0)
+    for name in ("keys", "values", "origins", "scores", "pinned"):
+        assert torch.equal(a[name], b[name]), name
+    torch.testing.assert_close(a["rotated"], b["rotated"], rtol=1e-6, atol=1e-6)
+    assert kernel.recall_count == torch_ops.recall_count
+    assert_window_holds_archive_tokens(model, kernel, 0)
+
+
 @pytest.mark.parametrize("heads, kv_heads, span", [(4, 2, 4), (8, 1, 0), (4, 4, 3), (8, 2, 40)])
 def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span):
     """Query groups of 2, 8 (two passes of four) and 1; spans 0 to 40. Queries: the row's own, then
@@ -46,13 +58,7 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
         asked = queries + noise * torch.randn(queries.shape, generator=generator)
         for copy in (kernel, torch_ops):
             recall.refresh(copy, asked, copy.spec.scaling, [0])
-        assert torch.equal(kernel.windows[0][1], torch_ops.windows[0][1])
-        a, b = row_state(kernel, 0), row_state(torch_ops, 0)
-        for name in ("keys", "values", "origins", "scores", "pinned"):
-            assert torch.equal(a[name], b[name]), name
-        torch.testing.assert_close(a["rotated"], b["rotated"], rtol=1e-6, atol=1e-6)
-        assert kernel.recall_count == torch_ops.recall_count
-        assert_window_holds_archive_tokens(model, kernel, 0)
+        assert_same_windows(model, kernel, torch_ops)
     assert kernel.recall_count[0] > 2 * kernel.recalled[0]  # the windows changed along the way
 
 
@@ -74,13 +80,7 @@ def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, k
         asked = base + noise * torch.randn(base.shape, generator=generator)
         for copy in (kernel, torch_ops):
             recall.choose(copy, 0, asked, copy.spec.scaling, chosen)
-        assert torch.equal(kernel.windows[0][1], torch_ops.windows[0][1])
-        a, b = row_state(kernel, 0), row_state(torch_ops, 0)
-        for name in ("keys", "values", "origins", "scores", "pinned"):
-            assert torch.equal(a[name], b[name]), name
-        torch.testing.assert_close(a["rotated"], b["rotated"], rtol=1e-6, atol=1e-6)
-        assert kernel.recall_count == torch_ops.recall_count
-        assert_window_holds_archive_tokens(model, kernel, 0)
+        assert_same_windows(model, kernel, torch_ops)
     window = kernel.windows[0][1]
     r, block = kernel.recalled[0], kernel.config.recall_block
     assert kernel.recall_count[0] > r  # the windows changed along the way
