@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -67,12 +67,25 @@ class QuantizedMatrix:
         activations: EXACT, or an integer path (`ACTIVATIONS`)."""
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features) if residual is None else residual.clone(memory_format=torch.contiguous_format)
-        status = kernel().h2o_qmatmul(KINDS[self.kind][0], self.blocks.data_ptr(), x.data_ptr(), out.data_ptr(),
+        kind, blocks = self.product_blocks(activations)
+        status = kernel().h2o_qmatmul(kind, blocks.data_ptr(), x.data_ptr(), out.data_ptr(),
                                       x.shape[0], self.out_features, self.in_features, x.stride(0), out.stride(0),
                                       int(residual is not None), torch.get_num_threads(), ACTIVATIONS[activations])
         if status:
             raise ValueError(f"the quantized product refused {self.kind} [{self.out_features}, {self.in_features}] (status {status})")
         return out
+
+    def product_blocks(self, activations: str) -> tuple[int, torch.Tensor]:
+        """(the kernel's kind, blocks) for a product on the path `activations`: on an integer path the
+        blocks packed 8 rows at a time (`pack_rows`, made once and kept: as many bytes again) where
+        the rows come in whole groups of 8, else the GGUF blocks as they are."""
+        if activations != EXACT and self.out_features % 8 == 0:
+            return KINDS[self.kind][0] + 2, self.packed
+        return KINDS[self.kind][0], self.blocks
+
+    @cached_property
+    def packed(self) -> torch.Tensor:
+        return pack_rows(self.kind, self.blocks)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [out, in], as gguf's reference dequantizer gives it."""
@@ -88,6 +101,23 @@ class QuantizedMatrix:
         if len({(p.kind, p.in_features) for p in parts}) != 1:
             return None
         return QuantizedMatrix(parts[0].kind, torch.cat([p.blocks for p in parts]), parts[0].in_features)
+
+
+def pack_rows(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [N, K / 32 * bytes] (N a multiple of 8) packed 8 rows at a time for the integer
+    path's products (`kernels/int8_products.h`, "Weights packed 8 rows at a time"): per group of 8
+    rows and per 32-block, the 8 rows' fp16 scales, for Q4_1 their fp16 minimums, then the quants
+    interleaved so that 4 bytes of each of the 8 rows sit side by side. [N / 8, K / 32 * 8 * bytes] uint8."""
+    n = blocks.shape[0]
+    size = KINDS[kind][1]
+    b = blocks.numpy().reshape(n // 8, 8, -1, size).transpose(0, 2, 1, 3)  # [groups, K / 32, 8 rows, bytes]
+    if kind == "Q4_1":
+        # byte p holds element p (low nibble) and 16 + p (high): byte 4 i + c holds 4 i + c and 16 + 4 i + c
+        parts = [b[..., 0:2], b[..., 2:4], b[..., 4:].reshape(*b.shape[:3], 4, 4).transpose(0, 1, 3, 2, 4)]  # [.., i, row, c]
+    else:
+        parts = [b[..., 0:2], b[..., 2:].reshape(*b.shape[:3], 8, 4).transpose(0, 1, 3, 2, 4)]  # [.., j, row, c]
+    packed = np.concatenate([p.reshape(*b.shape[:2], -1) for p in parts], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(n // 8, -1))
 
 
 def fastest_activations() -> str:
@@ -170,10 +200,13 @@ class NativeStep:
         self.activations = activations
         self._keep = (weights, buffers, cos, sin, queries)  # the kernel reads these through raw pointers
         layers = weights.layers
-        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else t.blocks.data_ptr()
+        products = {id(m): m.product_blocks(activations) for lw in layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)}
+        head_kind, head_blocks = weights.lm_head.product_blocks(activations)
+        self._blocks = [blocks for _, blocks in products.values()] + [head_blocks]  # kept alive for the kernel
+        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else products[id(t)][1].data_ptr()
                     for lw in layers for t in (lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down)]
         self._pointers = (ctypes.c_void_p * len(pointers))(*pointers)
-        self._kinds = (ctypes.c_int64 * (4 * len(layers)))(*[KINDS[m.kind][0] for lw in layers
+        self._kinds = (ctypes.c_int64 * (4 * len(layers)))(*[products[id(m)][0] for lw in layers
                                                             for m in (lw.qkv, lw.o, lw.gate_up, lw.down)])
         keys = buffers.keys
         first = layers[0]
@@ -183,8 +216,8 @@ class NativeStep:
             vocab=weights.lm_head.out_features, capacity=keys.shape[3], positions=cos.shape[0],
             threads=torch.get_num_threads(), eps=weights.eps, scaling=weights.scaling,
             layer_weights=self._pointers, layer_kinds=self._kinds, embed=weights.embed.data_ptr(),
-            norm=weights.norm.data_ptr(), lm_head=weights.lm_head.blocks.data_ptr(),
-            lm_head_kind=KINDS[weights.lm_head.kind][0], cos=cos.data_ptr(), sin=sin.data_ptr(),
+            norm=weights.norm.data_ptr(), lm_head=head_blocks.data_ptr(),
+            lm_head_kind=head_kind, cos=cos.data_ptr(), sin=sin.data_ptr(),
             keys=keys.data_ptr(), values=buffers.values.data_ptr(),
             rotated=None if buffers.rotated is None else buffers.rotated.data_ptr(),
             scores=None if buffers.scores is None else buffers.scores.data_ptr(),

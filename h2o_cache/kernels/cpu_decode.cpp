@@ -321,7 +321,7 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
         std::vector<float> q(G * D), probs(G * padded);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hkv; ++task) {
             const int64_t b = task / Hkv, h = task % Hkv, slot = slots[b], n = slot + 1;
             const float* cos = s.cos + slot * D;
@@ -451,8 +451,9 @@ bool has_vnni() {
 int product(int64_t activations, ActBuffer& buffer, int64_t kind, const uint8_t* w, const float* x, float* out,
             int64_t B, int64_t N, int64_t K, int64_t x_stride, int64_t out_stride, int accumulate, int threads) {
     if (K % 32 != 0) return 1;
-    if (kind != 0 && kind != 1) return 2;
+    if (kind < 0 || kind > 3 || (kind >= 2 && N % 8 != 0)) return 2;
     if (activations == EXACT) {
+        if (kind >= 2) return 7;  // packed blocks are for the integer path
         if (kind == 0) matmul<Q4_1>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
         else matmul<Q8_0>(w, x, out, B, N, K, x_stride, out_stride, accumulate, threads);
         return 0;
@@ -510,7 +511,8 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
 
 extern "C" {
 
-// kind: 0 = Q4_1, 1 = Q8_0. w: [N, K / 32 blocks]; x: [B, K] with row stride x_stride; out: [B, N]
+// kind: 0 = Q4_1, 1 = Q8_0, 2 and 3 the same packed 8 rows at a time (`quantized.pack_rows`; integer
+// paths only, N a multiple of 8). w: [N, K / 32 blocks]; x: [B, K] with row stride x_stride; out: [B, N]
 // with row stride out_stride, added to when accumulate is nonzero. K must be a multiple of 32.
 // activations: 0 exact, 1 int8 with AVX2, 2 int8 with AVX-512 VNNI (5 where the CPU has none).
 int h2o_qmatmul(int kind, const uint8_t* w, const float* x, float* out, int64_t B, int64_t N, int64_t K,

@@ -100,8 +100,116 @@ void int_matmul(const uint8_t* w, const ActRows& a, float* out, int64_t B, int64
     }
 }
 
+// ---- Weights packed 8 rows at a time ---------------------------------------------------------------
+//
+// `quantized.pack_rows` rewrites a matrix's blocks so that, per group of 8 output rows and per 32-block,
+// the 8 rows' fp16 scales (and Q4_1 minimums) come first, then their quants interleaved 4 at a time:
+// lane r (4 bytes) of a 32-byte vector holds the same 4 positions of row r. One activation block's 4
+// bytes, broadcast, then meet all 8 rows in one dot_us, whose 8 int32 lanes are the 8 rows' sums: no
+// horizontal sums, and the scales apply as vectors. The same integers as `int_tile` sums, so the same
+// exact per-block sums; only the fp32 accumulation differs (one lane per row, blocks in k order, the
+// Q4_1 minimum's term added per block).
+//   Q4_1 group block (160 bytes): d[8] fp16, m[8] fp16, then 4 vectors: vector i, lane r, byte b =
+//         q[r][4 i + b] | q[r][16 + 4 i + b] << 4 (positions 4i.. in the low nibbles, 16 + 4i.. high)
+//   Q8_0 group block (272 bytes): d[8] fp16, then 8 vectors: vector j, lane r, byte b = q[r][4 j + b]
+
+// isum += u . s per 4 bytes, exactly (see dot_us for why maddubs never saturates here)
+inline __m256i dot_us_add(__m256i isum, __m256i u, __m256i s) {
+#ifdef H2O_VNNI
+    return _mm256_dpbusd_epi32(isum, u, s);
+#else
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+struct PackedQ4_1 {
+    static constexpr int bytes = 160;
+    static constexpr bool has_min = true;
+    // y: the T activation rows' blocks as 8 int32 (4 bytes each), rows `stride` int32 apart
+    template <int T>
+    static inline void sums(const uint8_t* blk, const int32_t* y, int64_t stride, __m256i isum[T]) {
+        const __m256i nibble = _mm256_set1_epi8(0x0F);
+        for (int i = 0; i < 4; ++i) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * i));
+            const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+            for (int t = 0; t < T; ++t) {
+                isum[t] = dot_us_add(isum[t], lo, _mm256_set1_epi32(y[t * stride + i]));
+                isum[t] = dot_us_add(isum[t], hi, _mm256_set1_epi32(y[t * stride + 4 + i]));
+            }
+        }
+    }
+};
+
+struct PackedQ8_0 {
+    static constexpr int bytes = 272;
+    static constexpr bool has_min = false;
+    template <int T>
+    static inline void sums(const uint8_t* blk, const int32_t* y, int64_t stride, __m256i isum[T]) {
+        for (int j = 0; j < 8; ++j) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
+            const __m256i u = _mm256_abs_epi8(w);
+            for (int t = 0; t < T; ++t)
+                isum[t] = dot_us_add(isum[t], u, _mm256_sign_epi8(_mm256_set1_epi32(y[t * stride + j]), w));
+        }
+    }
+};
+
+// Rows 8 g .. 8 g + 7 of a packed matrix against T activation rows from t0: out[t * out_stride + r] (+)=.
+template <class P, int T>
+inline void packed_tile(const uint8_t* group, int64_t blocks, const ActRows& a, int64_t t0, float* out,
+                        int64_t out_stride, int accumulate) {
+    __m256 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    const int32_t* y = reinterpret_cast<const int32_t*>(a.q) + t0 * blocks * 8;
+    for (int64_t k = 0; k < blocks; ++k) {
+        const uint8_t* blk = group + k * P::bytes;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+        __m256i isum[T];
+        for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+        P::template sums<T>(blk, y + k * 8, blocks * 8, isum);
+        for (int t = 0; t < T; ++t) {
+            const int64_t at = (t0 + t) * blocks + k;
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[at])), acc[t]);
+            if (P::has_min) {
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[at]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        float* o = out + t * out_stride;
+        _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), acc[t]) : acc[t]);
+    }
+}
+
+// out[b, n] (+)= x[b] . w[n] for a packed w (N a multiple of 8); threads split the groups of 8 rows,
+// and every group is taken against 8 activation rows at a time where AVX-512's 32 vector registers hold
+// the tile, else 4 (a row's sums are the same whichever tile it is in).
+template <class P>
+void packed_matmul(const uint8_t* w, const ActRows& a, float* out, int64_t B, int64_t N, int64_t out_stride,
+                   int accumulate, int threads) {
+    const int64_t blocks = a.blocks, group_bytes = blocks * P::bytes;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < N / 8; ++g) {
+        const uint8_t* group = w + g * group_bytes;
+        prefetch_row(group + PREFETCH_ROWS / 8 * group_bytes, group_bytes);
+        float* o = out + 8 * g;
+        int64_t b = 0;
+#ifdef H2O_VNNI
+        for (; b + 8 <= B; b += 8) packed_tile<P, 8>(group, blocks, a, b, o + b * out_stride, out_stride, accumulate);
+#endif
+        for (; b + 4 <= B; b += 4) packed_tile<P, 4>(group, blocks, a, b, o + b * out_stride, out_stride, accumulate);
+        if (B - b == 3) packed_tile<P, 3>(group, blocks, a, b, o + b * out_stride, out_stride, accumulate);
+        else if (B - b == 2) packed_tile<P, 2>(group, blocks, a, b, o + b * out_stride, out_stride, accumulate);
+        else if (B - b == 1) packed_tile<P, 1>(group, blocks, a, b, o + b * out_stride, out_stride, accumulate);
+    }
+}
+
+// kind: 0 Q4_1, 1 Q8_0 (row by row), 2 Q4_1, 3 Q8_0 (packed 8 rows at a time)
 inline void product(int kind, const uint8_t* w, const ActRows& a, float* out, int64_t B, int64_t N,
                     int64_t out_stride, int accumulate, int threads) {
     if (kind == 0) int_matmul<IntQ4_1>(w, a, out, B, N, out_stride, accumulate, threads);
-    else int_matmul<IntQ8_0>(w, a, out, B, N, out_stride, accumulate, threads);
+    else if (kind == 1) int_matmul<IntQ8_0>(w, a, out, B, N, out_stride, accumulate, threads);
+    else if (kind == 2) packed_matmul<PackedQ4_1>(w, a, out, B, N, out_stride, accumulate, threads);
+    else packed_matmul<PackedQ8_0>(w, a, out, B, N, out_stride, accumulate, threads);
 }

@@ -80,6 +80,32 @@ def test_integer_products_are_the_exact_product_of_the_int8_activations(matrix):
     assert all(torch.equal(r, results[0]) for r in results)  # VNNI sums the same integers as AVX2
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_packed_by_eight_sum_the_same_integers_as_row_by_row(kind):
+    """The integer path multiplies matrices of whole groups of 8 rows in the packed layout
+    (`pack_rows`), others row by row: per block the same exact integer sums, so the two agree to the
+    order of the fp32 sums over blocks, and each keeps every row independent of its batch."""
+    weight = torch.randn(48, 160, generator=torch.Generator().manual_seed(2))
+    packed = quantized(weight, kind)
+    row_by_row = QuantizedMatrix(kind, torch.cat([packed.blocks, packed.blocks[:4]]), packed.in_features)  # 52 rows
+    assert packed.product_blocks(INT8_AVX2)[0] == row_by_row.product_blocks(INT8_AVX2)[0] + 2
+    assert packed.product_blocks(EXACT)[1] is packed.blocks
+    x = torch.randn(11, packed.in_features, generator=torch.Generator().manual_seed(3))
+    for path in integer_paths():
+        out = packed.matmul(x, activations=path)
+        torch.testing.assert_close(out, row_by_row.matmul(x, activations=path)[:, :48], rtol=1e-5, atol=1e-4)
+        for batch in range(1, 11):  # tiles of 8, 4 and the rest
+            assert torch.equal(packed.matmul(x[batch - 1:batch + batch // 2], activations=path), out[batch - 1:batch + batch // 2])
+
+
+def test_packed_blocks_are_refused_on_the_exact_path():
+    weight = quantized(torch.randn(8, 32, generator=torch.Generator().manual_seed(4)), "Q4_1")
+    x = torch.randn(1, 32)
+    out = torch.empty(1, 8)
+    status = kernel().h2o_qmatmul(2, weight.packed.data_ptr(), x.data_ptr(), out.data_ptr(), 1, 8, 32, 32, 8, 0, 1, 0)
+    assert status == 7
+
+
 def test_widths_that_are_not_whole_blocks_are_refused(matrix):
     odd = QuantizedMatrix(matrix.kind, matrix.blocks, matrix.in_features - 1)
     with pytest.raises(ValueError, match="refused"):
