@@ -3,16 +3,20 @@
 re-rotated to their new slots (position rolling), and with recall the others moved to the row's archive.
 
 Operates on an `H2OCache`'s buffers; the cache calls `evict` from `advance`, for exactly the rows that
-crossed the budget, so a row evolves the same whatever its batch.
+crossed the budget, so a row evolves the same whatever its batch. On the CPU in fp32 the kept vectors
+move and rotate in one C++ call (`kernels/compaction.cpp`, in place, the torch path's results bit for
+bit); `move_kept` is the torch path, for every other device and dtype.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import torch
 
 from h2o_cache.eviction import keep_indices, take_vectors
+from h2o_cache.quantized import kernel
 from h2o_cache.rope import rotate_into
 from h2o_cache.transfer import download, upload
 
@@ -56,6 +60,20 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     # their vectors are neither copied nor re-rotated.
     still = min(cache.recalled[row] for row in rows) if config.recalls else 0
     index = index[..., still:]
+    if native_compaction(cache):
+        compact_natively(cache, row_ids, index, still, *spec.rope.get(target))
+    else:
+        move_kept(cache, picked, row_ids, index, still, target)
+    for row, n in zip(rows, keep):
+        cache.lengths[row] = n
+
+
+def move_kept(cache: H2OCache, picked: slice | torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,
+              still: int, target: int) -> None:
+    """`evict`'s moves with torch ops, for any device and dtype: slot still + j of each layer, row and
+    head takes the key and value of slot index[..., j] ([L, rows, H, width]), gathered first, and with
+    rolling every kept key is rotated to its slot."""
+    device = cache.spec.device
     # index's row (l, rows[i], h) starts at vector ((l * R + rows[i]) * H + h) * capacity of a buffer
     layers, rows_capacity, heads, capacity, _ = cache._keys.shape
     starts = (torch.arange(layers, device=device)[:, None, None] * rows_capacity
@@ -64,7 +82,7 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     kept_keys = kept_vectors(cache, cache._keys, starts, index)
     if cache.config.rolling:
         # Slots moved: every kept key takes the RoPE rotation of its new slot.
-        cos, sin = spec.rope.get(target)
+        cos, sin = cache.spec.rope.get(target)
         cos, sin = cos[still:], sin[still:]
         if isinstance(picked, slice):
             rotate_into(cache._rotated[:, picked, :, still:target], kept_keys, cos, sin)
@@ -74,8 +92,43 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
             cache._rotated[:, picked, :, still:target] = rotated
     cache._keys[:, picked, :, still:target] = kept_keys
     cache._values[:, picked, :, still:target] = kept_vectors(cache, cache._values, starts, index)
-    for row, n in zip(rows, keep):
-        cache.lengths[row] = n
+
+
+class _Compaction(ctypes.Structure):
+    """The kernel's `Compaction` (`kernels/compaction.cpp`)."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in ("layers", "rows_capacity", "heads", "capacity", "dim")]
+                + [(name, ctypes.c_void_p) for name in ("keys", "values", "rotated", "cos", "sin", "row_ids")]
+                + [("rows", ctypes.c_int64), ("index", ctypes.c_void_p)]
+                + [(name, ctypes.c_int64) for name in ("still", "width", "threads")])
+
+
+def native_compaction(cache: H2OCache) -> bool:
+    """Whether an eviction's compaction runs in one C++ call: fp32 buffers on the CPU, head_dim a
+    multiple of 16, and the kernel built (the same results as the torch ops, bit for bit)."""
+    spec = cache.spec
+    return (spec.device.type == "cpu" and spec.dtype == torch.float32 and spec.head_dim % 16 == 0
+            and cache._keys.is_contiguous() and kernel() is not None)
+
+
+def compact_natively(cache: H2OCache, row_ids: torch.Tensor, index: torch.Tensor, still: int,
+                     cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """`evict`'s moves for the rows `row_ids`: slot still + j of each layer, row and head takes the key
+    and value of slot index[..., j] ([L, rows, H, width], ascending), and with rolling every kept key
+    is rotated to its slot; in place, no scratch."""
+    index, row_ids, cos, sin = index.contiguous(), row_ids.contiguous(), cos.contiguous(), sin.contiguous()
+    layers, rows_capacity, heads, capacity, dim = cache._keys.shape
+    rotated = cache._rotated if cache.config.rolling else None
+    job = _Compaction(layers=layers, rows_capacity=rows_capacity, heads=heads, capacity=capacity, dim=dim,
+                      keys=cache._keys.data_ptr(), values=cache._values.data_ptr(),
+                      rotated=None if rotated is None else rotated.data_ptr(),
+                      cos=cos.data_ptr(), sin=sin.data_ptr(), row_ids=row_ids.data_ptr(),
+                      rows=row_ids.shape[0], index=index.data_ptr(), still=still, width=index.shape[-1],
+                      threads=torch.get_num_threads())
+    status = kernel().h2o_compact(ctypes.byref(job))
+    if status:
+        raise ValueError(f"the native compaction refused its input (status {status})")
+
 
 def kept_vectors(cache: H2OCache, buffer: torch.Tensor, starts: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The vectors `index` ([L, rows, H, width]) keeps of `buffer`, [L, rows, H, width, D]

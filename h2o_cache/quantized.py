@@ -39,7 +39,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / "cpu_decode.cpp", KERNELS / "recall_choice.cpp"]
+SOURCES = [KERNELS / "cpu_decode.cpp", KERNELS / "recall_choice.cpp", KERNELS / "compaction.cpp"]
 HEADERS = [KERNELS / "int8_products.h", KERNELS / "vector_math.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 BLOCK = 32  # weights per GGUF block
@@ -157,6 +157,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_has_vnni.restype = ctypes.c_int
     lib.h2o_decode_step.restype = ctypes.c_int
     lib.h2o_decode_step.argtypes = [ctypes.POINTER(StepLayout), *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
+    lib.h2o_compact.restype = ctypes.c_int
+    lib.h2o_compact.argtypes = [ctypes.c_void_p]
     lib.h2o_recall_choose.restype = ctypes.c_int
     lib.h2o_recall_choose.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.h2o_recall_choose_blocks.restype = ctypes.c_int

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from h2o_cache import CacheConfig, H2OCache, forward, model_spec
+from h2o_cache import CacheConfig, H2OCache, compaction, forward, model_spec
 from tests.conftest import tiny_llama
 
 POLICIES = ["h2o", "streaming", "local", "full"]
@@ -128,9 +128,11 @@ def test_batched_rows_equal_single_rows_under_eviction(tiny_model):
             assert torch.allclose(mine.double(), theirs.double(), atol=1e-5), name
 
 
-def test_a_kept_eviction_scratch_changes_nothing_but_allocations(tiny_model):
+def test_a_kept_eviction_scratch_changes_nothing_but_allocations(tiny_model, monkeypatch):
     """A batch cache reserved with scratch=True (the static decoder's) evicts exactly as one without,
-    whichever rows cross the budget together, and allocates nothing more once full."""
+    whichever rows cross the budget together, and allocates nothing more once full (the torch path:
+    the native compaction moves vectors in place, with no scratch)."""
+    monkeypatch.setattr(compaction, "native_compaction", lambda cache: False)
     config = CacheConfig(policy="h2o", budget=12, evict_slack=3, recall_budget=4, recall_block=2)
     spec = model_spec(tiny_model)
     plain, kept = H2OCache(spec, config, rows=3), H2OCache(spec, config, rows=3)
@@ -151,6 +153,37 @@ def test_a_kept_eviction_scratch_changes_nothing_but_allocations(tiny_model):
         allocated.append(kept.allocated_bytes())
     assert kept._scratch is not None and plain._scratch is None
     assert len(set(allocated[10:])) == 1
+
+
+@pytest.mark.parametrize("config", [
+    CacheConfig(policy="h2o", budget=12, evict_slack=3, recall_budget=4, recall_block=2),
+    CacheConfig(policy="h2o", budget=12, evict_slack=2),
+    CacheConfig(policy="h2o", budget=12, evict_slack=2, position_rolling=False),
+    CacheConfig(policy="streaming", budget=10),
+], ids=["recall", "h2o", "no-rolling", "streaming"])
+def test_the_native_compaction_moves_and_rotates_as_the_torch_ops_bit_for_bit(tiny_model, monkeypatch, config):
+    """On the CPU in fp32 an eviction's kept vectors move and rotate in one C++ call; the same rows fed
+    the same tokens on the torch path (`move_kept`) end with the same buffers and archives, bit for
+    bit, whichever rows cross the budget together (non-contiguous rows, a recall window kept in place)."""
+    spec = model_spec(tiny_model)
+    assert spec.head_dim % 16 == 0 and compaction.native_compaction(H2OCache(spec, config, rows=1))
+    native, torch_ops = H2OCache(spec, config, rows=3), H2OCache(spec, config, rows=3)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(30):
+        n_new = [1 + (step + 2 * row) % 3 for row in range(3)]
+        ids = torch.randint(3, 128, (3, max(n_new)), generator=gen)
+        forward(tiny_model, native, ids, n_new)
+        with monkeypatch.context() as patch:
+            patch.setattr(compaction, "native_compaction", lambda cache: False)
+            forward(tiny_model, torch_ops, ids, n_new)
+        assert native.lengths == torch_ops.lengths
+        for row, n in enumerate(native.lengths):
+            for name in ("keys", "values", "rotated", "scores", "origins", "pinned"):
+                mine, theirs = getattr(native.buffers(), name), getattr(torch_ops.buffers(), name)
+                if mine is not None:
+                    assert torch.equal(mine[:, row, :, :n], theirs[:, row, :, :n]), (step, row, name)
+        assert native.archived_tokens() == torch_ops.archived_tokens()
+    assert sum(native.seen) > 3 * config.budget  # evicted many times
 
 
 def test_pop_and_extend_move_rows_without_changing_them(tiny_model):
