@@ -80,12 +80,49 @@ def use_bf16_prefill(model: nn.Module, parts: tuple[str, ...] = ("mlp",)) -> Bf1
     return switch
 
 
+def use_int8_prefill(model: nn.Module) -> Bf16Prefill:
+    """Give every linear layer of the decoder whose weight the model's GGUF file holds as Q4_1 / Q8_0
+    blocks (`quantized.gguf_matrices`, the same values bit for bit) the decode step's integer product
+    for multi-token inputs: inputs quantized per 32-block to int8, integer dot products with the
+    blocks packed 8 rows at a time (`kernels/int8_products.h`), fp32 results. Needs a model loaded
+    from a GGUF file on the CPU and the compiled kernel; the switch lists the layers it changed."""
+    from h2o_cache.quantized import fastest_activations, gguf_matrices, kernel
+
+    switch = Bf16Prefill()
+    path = getattr(model, "gguf_path", None)
+    if path is None or kernel() is None:
+        return switch
+    matrices = gguf_matrices(path, model)
+    activations = fastest_activations()
+    for module in model.get_decoder().modules():
+        matrix = matrices.get(id(module.weight)) if isinstance(module, nn.Linear) else None
+        if matrix is not None and module.bias is None:
+            module.int8_matrix = matrix
+            module.forward = types.MethodType(_int8_forward(switch, activations, module.forward), module)
+            switch.layers.append(module)
+    return switch
+
+
 def apply_prefill_dtype(model: nn.Module, name: str) -> Bf16Prefill | None:
-    """Give an fp32 model bf16 MLP products in prefill when `name` (`prefill_dtype`) says bf16; the
-    switch, or None where nothing changed (an fp32 prefill, or a model already in bf16 or fp16)."""
-    if prefill_dtype(name, model) == torch.bfloat16 and next(model.parameters()).dtype == torch.float32:
+    """Give an fp32 model bf16 MLP products in prefill when `name` (`prefill_dtype`) says bf16, or
+    integer products in every layer when it says int8; the switch, or None where nothing changed (an
+    fp32 prefill, a model already in bf16 or fp16, or int8 without GGUF blocks or the kernel)."""
+    if next(model.parameters()).dtype != torch.float32:
+        return None
+    if name == "int8":
+        switch = use_int8_prefill(model)
+        return switch if switch.layers else None
+    if prefill_dtype(name, model) == torch.bfloat16:
         return use_bf16_prefill(model)
     return None
+
+
+def _int8_forward(switch: Bf16Prefill, activations: str, otherwise):
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if switch.enabled and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32:
+            return self.int8_matrix.matmul(x.reshape(-1, x.shape[-1]), activations=activations).view(*x.shape[:-1], -1)
+        return otherwise(x)
+    return forward
 
 
 def _forward(switch: Bf16Prefill):

@@ -35,7 +35,11 @@ def build_engine(settings: ServerSettings) -> Engine:
     torch.set_num_threads(settings.torch_threads())
     model, tokenizer = load_model(settings.model, settings.device, settings.dtype)
     if apply_prefill_dtype(model, settings.prefill_dtype):
-        log.info("prefill's MLP products in bf16 (--prefill-dtype %s), the rest and decode steps in float32", settings.prefill_dtype)
+        what = ("every product on the GGUF blocks with int8 activations" if settings.prefill_dtype == "int8"
+                else "the MLP's products in bf16, the rest in float32")
+        log.info("prefill: %s (--prefill-dtype %s); decode steps as configured", what, settings.prefill_dtype)
+    elif settings.prefill_dtype == "int8":
+        log.warning("--prefill-dtype int8 needs a GGUF model on the CPU and the compiled kernel: prefill stays float32")
     # Only the `full` policy is bounded by the model's context; evicting policies roll positions.
     context_window = getattr(model.config, "max_position_embeddings", None)
     cache_config = settings.cache_config()

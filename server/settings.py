@@ -68,10 +68,11 @@ class ServerSettings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: float32 on cpu, bfloat16 (or float16) on cuda")
-    prefill_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    prefill_dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
         "auto", description="dtype of the prompt's MLP products (attention and decode steps keep --dtype's): auto: "
                             "bfloat16 for a float32 model on a CPU that multiplies bf16 natively (AVX512-BF16, AMX-BF16: "
-                            "3-4x faster there), else --dtype's")
+                            "3-4x faster there), else --dtype's; int8: every product of a GGUF model's blocks "
+                            "through the decode step's integer products (CPU)")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads; unset: one per CPU core this process may use")
 

@@ -22,7 +22,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are compared on 2)")
-    parser.add_argument("--prefill-dtype", default="float32", choices=("auto", "float32", "bfloat16"),
+    parser.add_argument("--prefill-dtype", default="float32", choices=("auto", "float32", "bfloat16", "int8"),
                         help="dtype of prefill's MLP products (the server's default is auto: bf16 where the CPU has it); "
                              "the benches measure the fp32 model unless told")
 

@@ -9,6 +9,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder
 from h2o_cache.decode import DecoderWeights
+from h2o_cache.prefill_products import apply_prefill_dtype
 from h2o_cache.quantized import EXACT, INT8_AVX2, INT8_VNNI, QuantizedMatrix, gguf_matrices, kernel
 from tests.conftest import ByteTokenizer, tiny_llama
 
@@ -269,6 +270,29 @@ def test_a_row_s_native_step_does_not_depend_on_its_batch(gguf_model, exact):
         alone.cache.pending, shared.cache.pending = [[tokens[0]]], [[t] for t in tokens]
     a, b = alone.cache.buffers(), shared.cache.buffers()
     assert torch.equal(a.scores[:, 0], b.scores[:, 0]) and torch.equal(a.rotated[:, 0], b.rotated[:, 0])
+
+
+def test_int8_prefill_takes_every_block_matrix_through_the_integer_products(tmp_path):
+    """`--prefill-dtype int8`: a prompt chunk's products (more than one token per row) are the decode
+    step's integer ones, within the activations' rounding of the fp32 path; single tokens, and every
+    input once the switch is off, take the fp32 products bit for bit."""
+    model, reference = tiny_llama(seed=7, init_std=0.3), tiny_llama(seed=7, init_std=0.3)
+    gguf_llama(tmp_path / "m.gguf", model)
+    reference.load_state_dict(model.state_dict())
+    model.gguf_path = tmp_path / "m.gguf"
+    switch = apply_prefill_dtype(model, "int8")
+    assert switch is not None and len(switch.layers) == 7 * len(model.get_decoder().layers)
+    assert apply_prefill_dtype(tiny_llama(seed=7), "int8") is None  # no GGUF file: nothing to take
+    layer, dense = model.get_decoder().layers[1].mlp.down_proj, reference.get_decoder().layers[1].mlp.down_proj
+    x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(8))
+    out = layer(x)
+    integer = layer.int8_matrix.matmul(x.reshape(10, -1), activations=INT8_AVX2).view(2, 5, -1)
+    assert torch.equal(out, integer)  # VNNI and AVX2 sum the same integers
+    assert not torch.equal(out, dense(x))
+    torch.testing.assert_close(out, dense(x), rtol=0.05, atol=0.05)
+    assert torch.equal(layer(x[:, :1]), dense(x[:, :1]))  # one token per row: the fp32 product
+    switch.enabled = False
+    assert torch.equal(layer(x), dense(x))
 
 
 def test_without_a_compiler_the_fast_path_keeps_dense_weights(gguf_model, monkeypatch, tmp_path):
