@@ -321,6 +321,7 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
         std::vector<float> q(G * D), probs(G * padded);
+        // tasks are handed out one at a time: a row's cost grows with its slots, and rows differ
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hkv; ++task) {
             const int64_t b = task / Hkv, h = task % Hkv, slot = slots[b], n = slot + 1;
