@@ -15,7 +15,9 @@ products: on the CPU they run in the native step or, on the transformers path, h
 
 `use_bf16_prefill(model)` keeps a bf16 copy of each chosen weight beside the fp32 one (+2 bytes per
 weight, 160 MB for the default model's MLPs) and returns a switch; `prefill_dtype` says what `auto`
-means on this machine.
+means on this machine. `use_int8_prefill` (`--prefill-dtype int8`, an option) sends every GGUF-block
+product through the decode step's integer kernel instead: faster again, but it loses pass keys deep
+in long prompts (RESULTS.md, "Prefill on the integer products").
 """
 
 from __future__ import annotations
@@ -57,19 +59,19 @@ def prefill_dtype(name: str, model: nn.Module) -> torch.dtype:
 
 
 @dataclass
-class Bf16Prefill:
-    """The switch `use_bf16_prefill` returns: while `enabled`, inputs of more than one token per row
-    go through the bf16 copies."""
+class PrefillSwitch:
+    """The switch `use_bf16_prefill` and `use_int8_prefill` return: while `enabled`, inputs of more
+    than one token per row of its `layers` take their bf16 (or integer) products."""
 
     layers: list[nn.Linear] = field(default_factory=list)
     enabled: bool = True
 
 
-def use_bf16_prefill(model: nn.Module, parts: tuple[str, ...] = ("mlp",)) -> Bf16Prefill:
+def use_bf16_prefill(model: nn.Module, parts: tuple[str, ...] = ("mlp",)) -> PrefillSwitch:
     """Give the linear layers of the model's decoder whose names contain one of `parts` a bf16 product
     for multi-token inputs ([B, T, D] with T > 1). The output head is left alone: a prefill takes the
     logits of one token per row."""
-    switch = Bf16Prefill()
+    switch = PrefillSwitch()
     for name, module in model.get_decoder().named_modules():
         if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32 and any(p in name for p in parts):
             module.register_buffer("bf16_weight", module.weight.detach().to(torch.bfloat16), persistent=False)
@@ -80,7 +82,7 @@ def use_bf16_prefill(model: nn.Module, parts: tuple[str, ...] = ("mlp",)) -> Bf1
     return switch
 
 
-def use_int8_prefill(model: nn.Module) -> Bf16Prefill:
+def use_int8_prefill(model: nn.Module) -> PrefillSwitch:
     """Give every linear layer of the decoder whose weight the model's GGUF file holds as Q4_1 / Q8_0
     blocks (`quantized.gguf_matrices`, the same values bit for bit) the decode step's integer product
     for multi-token inputs: inputs quantized per 32-block to int8, integer dot products with the
@@ -88,7 +90,7 @@ def use_int8_prefill(model: nn.Module) -> Bf16Prefill:
     from a GGUF file on the CPU and the compiled kernel; the switch lists the layers it changed."""
     from h2o_cache.quantized import fastest_activations, gguf_matrices, kernel
 
-    switch = Bf16Prefill()
+    switch = PrefillSwitch()
     path = getattr(model, "gguf_path", None)
     if path is None or kernel() is None:
         return switch
@@ -103,7 +105,7 @@ def use_int8_prefill(model: nn.Module) -> Bf16Prefill:
     return switch
 
 
-def apply_prefill_dtype(model: nn.Module, name: str) -> Bf16Prefill | None:
+def apply_prefill_dtype(model: nn.Module, name: str) -> PrefillSwitch | None:
     """Give an fp32 model bf16 MLP products in prefill when `name` (`prefill_dtype`) says bf16, or
     integer products in every layer when it says int8; the switch, or None where nothing changed (an
     fp32 prefill, a model already in bf16 or fp16, or int8 without GGUF blocks or the kernel)."""
@@ -117,7 +119,7 @@ def apply_prefill_dtype(model: nn.Module, name: str) -> Bf16Prefill | None:
     return None
 
 
-def _int8_forward(switch: Bf16Prefill, activations: str, otherwise):
+def _int8_forward(switch: PrefillSwitch, activations: str, otherwise):
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if switch.enabled and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32:
             return self.int8_matrix.matmul(x.reshape(-1, x.shape[-1]), activations=activations).view(*x.shape[:-1], -1)
@@ -125,7 +127,7 @@ def _int8_forward(switch: Bf16Prefill, activations: str, otherwise):
     return forward
 
 
-def _forward(switch: Bf16Prefill):
+def _forward(switch: PrefillSwitch):
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if switch.enabled and x.dim() == 3 and x.shape[1] > 1:
             return F.linear(x.to(torch.bfloat16), self.bf16_weight, self.bf16_bias).to(x.dtype)

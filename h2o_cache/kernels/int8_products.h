@@ -10,15 +10,18 @@
 // result never depends on its batch. Activation blocks keep d and s in fp32 (llama.cpp rounds them to
 // fp16): the only rounding beyond the exact path's is y_i = round(x_i / dx).
 
-// 8 int32 sums of 4 adjacent products u8 x s8. maddubs adds pairs into int16 with saturation, which
-// never happens here: |s| <= 127 and u <= 15 (Q4_1) or u <= 128 (|Q8_0|), so a pair is at most 32,512.
-inline __m256i dot_us(__m256i u, __m256i s) {
+// isum + 8 int32 sums of 4 adjacent products u8 x s8. maddubs adds pairs into int16 with saturation,
+// which never happens here: |s| <= 127 and u <= 15 (Q4_1) or u <= 128 (|Q8_0|), so a pair is at most
+// 32,512.
+inline __m256i dot_us_add(__m256i isum, __m256i u, __m256i s) {
 #ifdef H2O_VNNI
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return _mm256_dpbusd_epi32(isum, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+inline __m256i dot_us(__m256i u, __m256i s) { return dot_us_add(_mm256_setzero_si256(), u, s); }
 
 // A block's 32 weights as 8-bit integers, its scale and (Q4_1) its minimum. `unsigned_q`: what
 // `dot_us` takes as its first operand; for Q8_0, |q|, whose signs go onto the activations.
@@ -112,15 +115,6 @@ void int_matmul(const uint8_t* w, const ActRows& a, float* out, int64_t B, int64
 //   Q4_1 group block (160 bytes): d[8] fp16, m[8] fp16, then 4 vectors: vector i, lane r, byte b =
 //         q[r][4 i + b] | q[r][16 + 4 i + b] << 4 (positions 4i.. in the low nibbles, 16 + 4i.. high)
 //   Q8_0 group block (272 bytes): d[8] fp16, then 8 vectors: vector j, lane r, byte b = q[r][4 j + b]
-
-// isum += u . s per 4 bytes, exactly (see dot_us for why maddubs never saturates here)
-inline __m256i dot_us_add(__m256i isum, __m256i u, __m256i s) {
-#ifdef H2O_VNNI
-    return _mm256_dpbusd_epi32(isum, u, s);
-#else
-    return _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
 
 struct PackedQ4_1 {
     static constexpr int bytes = 160;
