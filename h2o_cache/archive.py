@@ -26,10 +26,13 @@ next read or written (`land`), by which time the copy has long finished.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from h2o_cache.config import CacheConfig
 from h2o_cache.eviction import take_vectors
+from h2o_cache.quantized import kernel
 from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes, token_mass,
                                  token_votes, top_blocks)
 
@@ -107,6 +110,24 @@ class Archive:
         if copied is None:
             self.land()
 
+    def reserve(self, m: int) -> int:
+        """Make room for m tokens per head appended in place by the caller (`compaction.archive`'s
+        kernel), as `append` would (the oldest blocks dropped at the limit); returns where they start.
+        The caller writes keys, values, scores and origins of [start, start + m) before anything else
+        reads the archive."""
+        self.land()
+        if self.stored + m > self.limit:
+            self._drop_oldest(self.stored + m - self.limit)
+        self._grow(self.stored + m)
+        start = self.stored
+        self.stored += m
+        return start
+
+    def native(self) -> bool:
+        """Whether the storage is formed into blocks in C++ (`kernels/compaction.cpp`): fp32 on the
+        CPU, head_dim a multiple of 8, the kernel built (the same results as the torch ops)."""
+        return self.dtype == torch.float32 and self.head_dim % 8 == 0 and kernel() is not None
+
     def land(self) -> None:
         """Write appended tokens whose copy was pending into the storage (waiting for the copy only
         if it has not finished)."""
@@ -159,7 +180,9 @@ class Archive:
         time, once the tokens not yet in a digested block are sorted by origin."""
         self.land()
         full = self.stored // self.block
-        if self._digested < full:
+        if self._digested < full and self.native() and self._data["keys"].device.type == "cpu":
+            self._form_natively(full)
+        elif self._digested < full:
             start, size = self._digested, self.block
             fresh = slice(start * size, self.stored)
             order = self._data["origins"][:, :, fresh].argsort(dim=-1)
@@ -167,6 +190,18 @@ class Archive:
                 buffer[:, :, fresh] = _gather(buffer[:, :, fresh], order)
             self._digest(start, full)
         return self._lo[:, :, :full], self._hi[:, :, :full]
+
+    def _form_natively(self, full: int) -> None:
+        """`_digests`' sort and digests in one C++ call."""
+        data = self._data
+        job = _Forming(heads=self.shape[0] * self.shape[1], capacity=self._capacity, digest_capacity=self._lo.shape[2],
+                       dim=self.head_dim, block=self.block, start=self._digested, stored=self.stored,
+                       threads=torch.get_num_threads(), keys=data["keys"].data_ptr(), values=data["values"].data_ptr(),
+                       scores=data["scores"].data_ptr(), origins=data["origins"].data_ptr(),
+                       lo=self._lo.data_ptr(), hi=self._hi.data_ptr())
+        if kernel().h2o_form_blocks(ctypes.byref(job)):
+            raise ValueError("the native block forming refused the archive's storage")
+        self._digested = full
 
     def _digest(self, start: int, end: int) -> None:
         """Compute the digests of storage blocks start..end (their tokens are in their final order)."""
@@ -284,6 +319,14 @@ class Archive:
         self.append(*(state[name] for name in _FIELDS))
         if "blocked" in state and self.stored:
             self._digest(0, int(state["blocked"][0]))
+
+
+class _Forming(ctypes.Structure):
+    """The kernel's `Forming` (`kernels/compaction.cpp`)."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in ("heads", "capacity", "digest_capacity", "dim", "block",
+                                                     "start", "stored", "threads")]
+                + [(name, ctypes.c_void_p) for name in ("keys", "values", "scores", "origins", "lo", "hi")])
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

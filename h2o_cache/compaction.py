@@ -148,6 +148,9 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
     """Move what an eviction drops to each row's archive: per layer and head, the slots below the
     row's length that `index` ([L, rows, H, width], see `evict`) does not keep, in slot order."""
     spec = cache.spec
+    if native_compaction(cache):
+        archive_natively(cache, rows, index, keep)
+        return
     slots = torch.arange(longest, device=spec.device)
     shape = (spec.num_layers, len(rows), spec.num_kv_heads, longest)
     kept = torch.zeros(shape, dtype=torch.bool, device=spec.device).scatter_(3, index, True)
@@ -171,3 +174,42 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
             cache.archives[row] = cache.new_archive()
         cache.archives[row].append(*row_fields, copied=copied)
 
+
+
+class _Dropping(ctypes.Structure):
+    """The kernel's `Dropping` (`kernels/compaction.cpp`)."""
+
+    _fields_ = ([(name, ctypes.c_int64) for name in ("layers", "rows_capacity", "heads", "capacity", "dim")]
+                + [(name, ctypes.c_void_p) for name in ("keys", "values", "scores", "origins")]
+                + [(name, ctypes.c_int64) for name in ("row", "length")] + [("index", ctypes.c_void_p)]
+                + [(name, ctypes.c_int64) for name in ("width", "dropped")]
+                + [(name, ctypes.c_void_p) for name in ("out_keys", "out_values", "out_scores", "out_origins")]
+                + [(name, ctypes.c_int64) for name in ("out_capacity", "offset", "threads")])
+
+
+def archive_natively(cache: H2OCache, rows: list[int], index: torch.Tensor, keep: list[int]) -> None:
+    """`archive` in one C++ call per row: each row's dropped tokens (slots below its length that
+    `index` does not keep, in slot order) copied straight into its archive's storage."""
+    layers, rows_capacity, heads, capacity, dim = cache._keys.shape
+    scores = cache._scores
+    for i, (row, n) in enumerate(zip(rows, keep)):
+        if cache.archives[row] is None:
+            cache.archives[row] = cache.new_archive()
+        store = cache.archives[row]
+        dropped = cache.lengths[row] - n
+        if dropped <= 0:
+            continue
+        start = store.reserve(dropped)
+        data = store._data
+        kept = index[:, i].contiguous()
+        job = _Dropping(layers=layers, rows_capacity=rows_capacity, heads=heads, capacity=capacity, dim=dim,
+                        keys=cache._keys.data_ptr(), values=cache._values.data_ptr(),
+                        scores=None if scores is None else scores.data_ptr(), origins=cache._origins.data_ptr(),
+                        row=row, length=cache.lengths[row], index=kept.data_ptr(), width=kept.shape[-1],
+                        dropped=dropped, out_keys=data["keys"].data_ptr(), out_values=data["values"].data_ptr(),
+                        out_scores=data["scores"].data_ptr(), out_origins=data["origins"].data_ptr(),
+                        out_capacity=data["keys"].shape[2], offset=start, threads=torch.get_num_threads())
+        status = kernel().h2o_archive_dropped(ctypes.byref(job))
+        if status:
+            store.stored = start  # nothing half-written is ever read
+            raise ValueError(f"the native archiving refused an eviction (status {status})")

@@ -159,6 +159,10 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_decode_step.argtypes = [ctypes.POINTER(StepLayout), *[ctypes.c_void_p] * 3, ctypes.c_int64, ctypes.c_void_p]
     lib.h2o_compact.restype = ctypes.c_int
     lib.h2o_compact.argtypes = [ctypes.c_void_p]
+    lib.h2o_archive_dropped.restype = ctypes.c_int
+    lib.h2o_archive_dropped.argtypes = [ctypes.c_void_p]
+    lib.h2o_form_blocks.restype = ctypes.c_int
+    lib.h2o_form_blocks.argtypes = [ctypes.c_void_p]
     lib.h2o_recall_choose.restype = ctypes.c_int
     lib.h2o_recall_choose.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.h2o_recall_choose_blocks.restype = ctypes.c_int

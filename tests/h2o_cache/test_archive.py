@@ -188,9 +188,14 @@ def test_select_does_not_change_the_archive_and_chooses_the_same_twice():
         assert torch.equal(a.state()[name], state[name])
 
 
-def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_were_formed():
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
+def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_were_formed(native, monkeypatch):
     """Eviction archives a phrase a few tokens at a time; the tokens not yet in a block are sorted by
-    origin when blocks form, and a formed block keeps its tokens."""
+    origin when blocks form, and a formed block keeps its tokens (in C++ on the CPU, else torch ops)."""
+    if native:
+        assert archive().native(), "the kernel forms an fp32 archive's blocks on the CPU"
+    else:
+        monkeypatch.setattr(Archive, "native", lambda self: False)
     a = archive(block=4, limit=256)
     first = tokens(6, 0, seed=1)
     first[3][:] = torch.tensor([10, 2, 7, 0, 5, 3])
@@ -213,6 +218,31 @@ def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_we
         at = piece[3][1, 2].tolist().index(origin)
         for field, name in enumerate(FIELDS):
             assert torch.equal(state[name][1, 2, slot], piece[field][1, 2, at])
+
+
+def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(monkeypatch):
+    """Appends of uneven sizes whose origins are scrambled differently in every head, formed after each
+    append (some leaving a tail short of a block) and at the limit: the same storage order and digests."""
+    def filled(native: bool) -> list[dict[str, torch.Tensor]]:
+        with monkeypatch.context() as patch:
+            if not native:
+                patch.setattr(Archive, "native", lambda self: False)
+            a, seen, out = archive(block=4, limit=48), 0, []
+            for i, m in enumerate([3, 6, 1, 9, 4, 7, 12, 5, 8]):
+                keys, values, scores, _ = tokens(m, 0, seed=10 + i)
+                gen = torch.Generator().manual_seed(100 + i)
+                origins = torch.stack([seen + torch.randperm(m, generator=gen) for _ in range(L * H)]).view(L, H, m)
+                a.append(keys, values, scores, origins)
+                seen += m
+                lo, hi = a._digests()
+                out.append(a.state() | {"lo": lo.clone(), "hi": hi.clone(), "dropped": torch.tensor(a.dropped)})
+            return out
+
+    assert archive().native()
+    for step, (mine, theirs) in enumerate(zip(filled(True), filled(False), strict=True)):
+        for name, value in theirs.items():
+            assert torch.equal(mine[name], value), (step, name)
+    assert filled(True)[-1]["dropped"] > 0  # the limit was reached
 
 
 def test_a_block_appended_later_is_found_by_the_next_select():

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o_cache import CacheConfig, H2OCache, compaction, forward, model_spec
+from h2o_cache.archive import Archive
 from tests.conftest import tiny_llama
 
 POLICIES = ["h2o", "streaming", "local", "full"]
@@ -162,9 +163,11 @@ def test_a_kept_eviction_scratch_changes_nothing_but_allocations(tiny_model, mon
     CacheConfig(policy="streaming", budget=10),
 ], ids=["recall", "h2o", "no-rolling", "streaming"])
 def test_the_native_compaction_moves_and_rotates_as_the_torch_ops_bit_for_bit(tiny_model, monkeypatch, config):
-    """On the CPU in fp32 an eviction's kept vectors move and rotate in one C++ call; the same rows fed
-    the same tokens on the torch path (`move_kept`) end with the same buffers and archives, bit for
-    bit, whichever rows cross the budget together (non-contiguous rows, a recall window kept in place)."""
+    """On the CPU in fp32 an eviction's kept vectors move and rotate in one C++ call, what it drops goes
+    to the archive in one call per row, and the archive's blocks are formed in one call; the same rows
+    fed the same tokens on the torch path (`move_kept`, `archive`, `Archive._digests`) end with the
+    same buffers and archives (tokens, order, digests), bit for bit, whichever rows cross the budget
+    together (non-contiguous rows, a recall window kept in place)."""
     spec = model_spec(tiny_model)
     assert spec.head_dim % 16 == 0 and compaction.native_compaction(H2OCache(spec, config, rows=1))
     native, torch_ops = H2OCache(spec, config, rows=3), H2OCache(spec, config, rows=3)
@@ -175,7 +178,10 @@ def test_the_native_compaction_moves_and_rotates_as_the_torch_ops_bit_for_bit(ti
         forward(tiny_model, native, ids, n_new)
         with monkeypatch.context() as patch:
             patch.setattr(compaction, "native_compaction", lambda cache: False)
+            patch.setattr(Archive, "native", lambda archive: False)
             forward(tiny_model, torch_ops, ids, n_new)
+            theirs_archived = [a.state() | {"lo": a._digests()[0], "hi": a._digests()[1]} if a else None
+                               for a in torch_ops.archives]
         assert native.lengths == torch_ops.lengths
         for row, n in enumerate(native.lengths):
             for name in ("keys", "values", "rotated", "scores", "origins", "pinned"):
@@ -183,7 +189,14 @@ def test_the_native_compaction_moves_and_rotates_as_the_torch_ops_bit_for_bit(ti
                 if mine is not None:
                     assert torch.equal(mine[:, row, :, :n], theirs[:, row, :, :n]), (step, row, name)
         assert native.archived_tokens() == torch_ops.archived_tokens()
+        for row, (archive, theirs) in enumerate(zip(native.archives, theirs_archived)):
+            assert (archive is None) == (theirs is None)
+            if archive is not None:
+                mine = archive.state() | {"lo": archive._digests()[0], "hi": archive._digests()[1]}
+                for name, value in theirs.items():
+                    assert torch.equal(mine[name], value), (step, row, name)
     assert sum(native.seen) > 3 * config.budget  # evicted many times
+    assert not config.recalls or min(native.archived_tokens(row) for row in range(3)) > 4 * config.recall_block
 
 
 def test_pop_and_extend_move_rows_without_changing_them(tiny_model):
