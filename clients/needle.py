@@ -7,12 +7,19 @@ states a 5-digit pass key at the given depth, then the question. The reply is ge
 key. With `--spawn full,h2o` each policy's server is started in turn (extra server flags after
 `--server-args`), so the table puts a cache beside the full one on the same questions.
 
+`--form code` asks the way a user pasting a document would, with nothing said up front: news
+articles (the XSum documents, a different run of them per key) hold one sentence that states a
+6-digit access code once, and the message ends with a question in other words; no instruction says
+that something is hidden, and the code is not repeated.
+
     python -m clients.needle --spawn full,h2o --words 700 1400 2800 --keys 10
+    python -m clients.needle --spawn full,h2o --form code --words 1500 --depths 0.2 0.5 0.85 --keys 8
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -23,6 +30,8 @@ import httpx
 from clients.server_proc import spawned_server
 
 QUESTION = "What is the pass key? Answer with the number only."
+CODE_QUESTION = "What is the access code for the north gate?"
+XSUM = Path(__file__).resolve().parents[2] / "shared/data/xsum_dev.jsonl"
 
 
 def document(words: list[str], length: int, depth: float, key: int) -> str:
@@ -31,8 +40,24 @@ def document(words: list[str], length: int, depth: float, key: int) -> str:
     return " ".join(words[:at] + [needle] + words[at:length])
 
 
-def ask(client: httpx.Client, url: str, text: str, max_tokens: int) -> tuple[str, int]:
-    content = f"There is a pass key hidden in the text below. Find it and remember it.\n\n{text}\n\n{QUESTION}"
+def code_document(words: list[str], length: int, depth: float, key: int, index: int) -> str:
+    """`length` words of the articles, from a place that differs per key (`index`), with one sentence
+    stating the code at `depth`."""
+    start = index * 997 % max(1, len(words) - length)
+    piece = words[start:start + length]
+    at = int(depth * length)
+    return " ".join(piece[:at] + [f"Staff were told that the access code for the north gate is {key}."] + piece[at:])
+
+
+def message(form: str, text: str) -> str:
+    """The user message: the pass-key form tells what is hidden and asks for the number; the code form
+    just asks."""
+    if form == "code":
+        return f"{text}\n\n{CODE_QUESTION}"
+    return f"There is a pass key hidden in the text below. Find it and remember it.\n\n{text}\n\n{QUESTION}"
+
+
+def ask(client: httpx.Client, url: str, content: str, max_tokens: int) -> tuple[str, int]:
     response = client.post(f"{url}/v1/chat/completions", json={
         "model": "default", "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens, "temperature": 0})
@@ -42,15 +67,17 @@ def ask(client: httpx.Client, url: str, text: str, max_tokens: int) -> tuple[str
 
 
 def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list[int],
-        max_tokens: int) -> dict[tuple[int, float], tuple[float, int]]:
+        max_tokens: int, form: str = "passkey") -> dict[tuple[int, float], tuple[float, int]]:
     """(length, depth) -> (share of keys found, prompt tokens)."""
     out = {}
     with httpx.Client(timeout=600) as client:
         for length in lengths:
             for depth in depths:
                 hits, tokens = 0, 0
-                for key in keys:
-                    reply, tokens = ask(client, url, document(words, length, depth, key), max_tokens)
+                for index, key in enumerate(keys):
+                    text = (code_document(words, length, depth, key, index) if form == "code"
+                            else document(words, length, depth, key))
+                    reply, tokens = ask(client, url, message(form, text), max_tokens)
                     hits += str(key) in reply
                 out[(length, depth)] = (hits / len(keys), tokens)
                 print(f"{url} {length} words, depth {depth:.0%}: {hits}/{len(keys)}", file=sys.stderr, flush=True)
@@ -62,33 +89,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--spawn", default=None, help="comma-separated policies to start in turn, e.g. full,h2o")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for spawned servers")
-    parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/botchan.txt")
+    parser.add_argument("--form", choices=("passkey", "code"), default="passkey",
+                        help="passkey: told a key is hidden, the key stated twice; code: a 6-digit code in news "
+                             "articles, stated once, nothing said up front")
+    parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/botchan.txt",
+                        help="filler of the passkey form (the code form reads the XSum documents, --xsum)")
+    parser.add_argument("--xsum", type=Path, default=XSUM)
     parser.add_argument("--words", type=int, nargs="+", default=[700, 1400, 2800])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--keys", type=int, default=10)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="reply length: 16 (passkey), 24 (code: the reply repeats the question's words first)")
     parser.add_argument("--skip-words", type=int, default=1500, help="words of the text skipped (a header)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    words = args.text.read_text().split()[args.skip_words:]
     rng = random.Random(args.seed)
-    keys = [rng.randrange(10_000, 100_000) for _ in range(args.keys)]
+    args.max_tokens = args.max_tokens or (24 if args.form == "code" else 16)
+    if args.form == "code":
+        words = " ".join(json.loads(line)["document"] for line in args.xsum.open()).split()
+        keys = [rng.randrange(100_000, 1_000_000) for _ in range(args.keys)]
+    else:
+        words = args.text.read_text().split()[args.skip_words:]
+        keys = [rng.randrange(10_000, 100_000) for _ in range(args.keys)]
     results = {}
     try:
         if args.spawn:
             for policy in args.spawn.split(","):
                 began = time.perf_counter()
                 with spawned_server(policy, args.server_args, log=Path(f"needle-{policy}.log")) as url:
-                    results[policy] = run(url, words, args.words, args.depths, keys, args.max_tokens)
+                    results[policy] = run(url, words, args.words, args.depths, keys, args.max_tokens, args.form)
                 print(f"{policy}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
         else:
-            results[args.base_url] = run(args.base_url, words, args.words, args.depths, keys, args.max_tokens)
+            results[args.base_url] = run(args.base_url, words, args.words, args.depths, keys, args.max_tokens, args.form)
     except (httpx.HTTPError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     names = list(results)
     first = results[names[0]]
-    print(f"Pass key in one message, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
+    what = "A 6-digit code stated once in news articles" if args.form == "code" else "Pass key"
+    print(f"{what} in one message, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
     print("| words | prompt tokens | depth | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for cell, (_, tokens) in first.items():

@@ -1,0 +1,22 @@
+"""`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
+
+from clients.needle import CODE_QUESTION, code_document, document, message
+
+WORDS = [f"w{i}" for i in range(5000)]
+
+
+def test_the_code_form_states_the_code_once_at_its_depth_in_a_piece_that_differs_per_key():
+    text = code_document(WORDS, 1000, 0.5, 123456, index=3)
+    words = text.split()
+    assert text.count("123456") == 1 and len(words) == 1000 + len("Staff were told that the access code for the north gate is 123456.".split())
+    at = words.index("Staff")
+    before, after = int(words[at - 1][1:]), int(words[at + 13][1:])
+    assert at == 500 and after == before + 1  # the sentence sits between two halves of one run of words
+    assert code_document(WORDS, 1000, 0.5, 123456, index=4).split()[0] != words[0]
+
+
+def test_the_code_form_says_nothing_up_front_and_the_passkey_form_does():
+    code = message("code", "some text")
+    assert code.startswith("some text") and code.endswith(CODE_QUESTION) and "hidden" not in code
+    passkey = message("passkey", document(WORDS, 100, 0.25, 54321))
+    assert passkey.startswith("There is a pass key hidden") and passkey.count("54321") == 2
