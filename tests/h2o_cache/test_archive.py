@@ -343,11 +343,12 @@ def test_a_choice_everywhere_brings_a_head_the_tokens_the_other_heads_voted_for_
     gen = torch.Generator().manual_seed(3)
     needle = torch.zeros(D)
     needle[0] = 4.0
-    keys = 0.3 * torch.randn(1, 2, 64, D, generator=gen)
+    n = 8 * CANDIDATES  # twice the blocks that one wanted block's candidates cover
+    keys = 0.3 * torch.randn(1, 2, n, D, generator=gen)
     keys[0, 0, 20:24] = needle
     keys[0, 1, 20:24] = -needle
     a = Archive(1, 2, D, torch.float32, block=4, limit=256)
-    a.append(keys, keys.clone(), None, torch.arange(64).expand(1, 2, 64))
+    a.append(keys, keys.clone(), None, torch.arange(n).expand(1, 2, n))
     query = needle.expand(1, 2, 3, D)
     own = select_blocks(a, query, 2.0, blocks=1)
     everywhere = a.select(query, 2.0, 4, everywhere=True)

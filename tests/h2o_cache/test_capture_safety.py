@@ -83,7 +83,7 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
     from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes,
                                      token_mass, token_votes, top_blocks)
 
-    layers, heads, d, block, n = 2, 3, 8, 4, 96
+    layers, heads, d, block, n = 2, 3, 8, 4, 192  # 48 blocks: more than the 32 candidates of 2 wanted
     generator = torch.Generator().manual_seed(0)
     archive = Archive(layers, heads, d, torch.float32, block=block, limit=256)
     archive.append(torch.randn(layers, heads, n, d, generator=generator), torch.randn(layers, heads, n, d, generator=generator),
@@ -95,7 +95,7 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
     origins = state["origins"].view(layers, heads, n // block, block)
     wanted = 2
     with HostReads() as mode:
-        candidates = top_blocks(bound_mass(queries, lo, hi, 0.5), CANDIDATES * wanted)  # [L, H, 8]
+        candidates = top_blocks(bound_mass(queries, lo, hi, 0.5), min(CANDIDATES * wanted, n // block))  # as select
         # the candidates' keys, gathered on the device (the archive's keys there)
         picked = keys.gather(2, candidates[..., None, None].expand(-1, -1, -1, block, d)).flatten(2, 3)
         at = origins.gather(2, candidates[..., None].expand(-1, -1, -1, block)).flatten(2, 3)
