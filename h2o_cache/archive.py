@@ -103,20 +103,15 @@ class Archive:
         m = keys.shape[2]
         if m == 0:
             return
-        self.land()
-        if self.stored + m > self.limit:
-            self._drop_oldest(self.stored + m - self.limit)
-        self._grow(self.stored + m)
-        self._incoming.append((self.stored, (keys, values, scores, origins), copied))
-        self.stored += m
+        self._incoming.append((self.reserve(m), (keys, values, scores, origins), copied))
         if copied is None:
             self.land()
 
     def reserve(self, m: int) -> int:
-        """Make room for m tokens per head appended in place by the caller (`compaction.archive`'s
-        kernel), as `append` would (the oldest blocks dropped at the limit); returns where they start.
-        The caller writes keys, values, scores and origins of [start, start + m) before anything else
-        reads the archive."""
+        """Make room for m more tokens per head (the oldest blocks dropped at the limit) and count them
+        held; returns where they start. `append` queues its sources there; `compaction.archive`'s
+        kernel writes keys, values, scores and origins of [start, start + m) in place before anything
+        else reads the archive."""
         self.land()
         if self.stored + m > self.limit:
             self._drop_oldest(self.stored + m - self.limit)
@@ -182,7 +177,7 @@ class Archive:
         time, once the tokens not yet in a digested block are sorted by origin."""
         self.land()
         full = self.stored // self.block
-        if self._digested < full and self.native() and self._data["keys"].device.type == "cpu":
+        if self._digested < full and self.native():  # the storage is host memory
             self._form_natively(full)
         elif self._digested < full:
             start, size = self._digested, self.block

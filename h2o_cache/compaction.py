@@ -175,7 +175,6 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
         cache.archives[row].append(*row_fields, copied=copied)
 
 
-
 class _Dropping(ctypes.Structure):
     """The kernel's `Dropping` (`kernels/compaction.cpp`)."""
 
