@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from h2o_cache import recall
 from h2o_cache.eviction import keep_indices, take_vectors
 from h2o_cache.quantized import kernel
 from h2o_cache.rope import rotate_into
@@ -66,6 +67,8 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
         move_kept(cache, picked, row_ids, index, still, target)
     for row, n in zip(rows, keep):
         cache.lengths[row] = n
+        if cache.recalled[row]:  # the row's own tokens moved: its window's place among them with them
+            recall.place(cache, row)
 
 
 def move_kept(cache: H2OCache, picked: slice | torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,

@@ -95,9 +95,11 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     if native_recall.supports(cache):
         if everywhere and layers == slice(None):
             native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
+            place(cache, row)  # the kernel rotates what it writes to its slot
             return
         if not everywhere and not per_layer and (layers.step or 1) == 1:
             native_recall.choose_blocks(cache, row, grouped, scaling, layers)
+            place(cache, row, layers)
             return
     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
     fill(cache, row, chosen, layers)
@@ -123,13 +125,51 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
     keys, values, origins = archive.gather_heads(layer_ids + first, head_ids, tokens[:, None], ("keys", "values", "origins"))
     device = cache.spec.device
     at = (layer_ids + first).to(device), head_ids.to(device), slots.to(device)
-    cos, sin = cache.spec.rope.get(chosen.shape[-1])
     keys = keys[:, 0].to(device)
     cache._keys[at[0], row, at[1], at[2]] = keys
-    cache._rotated[at[0], row, at[1], at[2]] = rotate(keys.float(), cos[at[2]], sin[at[2]]).to(keys.dtype)
     cache._values[at[0], row, at[1], at[2]] = values[:, 0].to(device)
     cache._origins[at[0], row, at[1], at[2]] = origins[:, 0].to(device)
+    r, n = chosen.shape[-1], cache.lengths[row]
+    placed = text_positions(cache._origins[layers, row, :, :r], cache._origins[layers, row, :, r:n], r)
+    cos, sin = cache.spec.rope.at(placed[at[0] - first, at[1], at[2]])
+    cache._rotated[at[0], row, at[1], at[2]] = rotate(keys.float(), cos, sin).to(keys.dtype)
     if cache._scores is not None:
         cache._scores[at[0], row, at[1], at[2]] = 0.0
     held[changed] = chosen[changed]
     cache.recall_count[row] += len(slots)
+
+
+@torch.no_grad()
+def place(cache: H2OCache, row: int, layers: slice = slice(None)) -> None:
+    """Rotate the window's keys of `layers` to where their tokens stood in the text among the row's
+    own tokens (`text_positions`), as `fill` rotates the slots it writes: after the kernel's choices
+    (which rotate to the slots) and after every eviction (which moves the row's own tokens).
+
+    Measured (2k prompt, three secrets listed in one answer, 10 sets): the window at its slots 3/10,
+    placed in the text's order 9/10 (the full cache 10/10); four secrets in a 4k prompt 0.675 both."""
+    r, n = cache.recalled[row], cache.lengths[row]
+    if not r or n <= r:
+        return
+    positions = text_positions(cache._origins[layers, row, :, :r], cache._origins[layers, row, :, r:n], r)
+    cos, sin = cache.spec.rope.at(positions)
+    keys = cache._keys[layers, row, :, :r]
+    cache._rotated[layers, row, :, :r] = rotate(keys.float(), cos, sin).to(keys.dtype)
+
+
+def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:
+    """Positions for recalled tokens among a row's own (position rolling keeps those at their slots).
+
+    recalled: [L, H, r] origins of a window's tokens; own: [L, H, m] origins of the row's own tokens
+    in slots first .. first + m - 1, ascending (slots keep the order of the text). Returns [L, H, r]
+    fp32: a token whose origin o lies between those of the own tokens in slots s and s + 1 takes
+    s + (o - origin(s)) / (origin(s + 1) - origin(s)), so that recalled and own tokens interleave in
+    the order of the text and the recalled ones of one gap keep theirs; one older than every own token
+    sits in (first - 1, first), one newer than all in (first + m - 1, first + m). Fixed shapes, no
+    host reads: a device computes it where the window lives."""
+    m = own.shape[-1]
+    after = (own[..., None, :] < recalled[..., None]).sum(-1)  # [L, H, r]: own tokens older than each
+    before = own.gather(-1, (after - 1).clamp(min=0))
+    since = torch.where(after > 0, before, torch.full_like(before, -1))
+    until = torch.where(after < m, own.gather(-1, after.clamp(max=m - 1)), recalled + 1)
+    share = (recalled - since).double() / (until - since).clamp(min=1).double()
+    return (first - 1 + after + share).float()

@@ -52,6 +52,13 @@ class RopeTable:
         self.cos = torch.empty(0, 0, device=device)
         self.sin = torch.empty(0, 0, device=device)
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at any positions, fractional ones too ([...] -> [..., D] fp32 each): RoPE's angles
+        are position x frequency, so a position between two slots turns a key between their angles."""
+        cos, sin = self._rope_fn(positions.reshape(1, -1).float())
+        shape = (*positions.shape, cos.shape[-1])
+        return cos[0].float().view(shape), sin[0].float().view(shape)
+
     def get(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, D] fp32 each."""
         if self.cos.shape[0] < n:

@@ -55,15 +55,38 @@ def tokens_of(blocks: list[int], size: int = 4) -> torch.Tensor:
     return selection.block_tokens(torch.tensor(blocks), size)
 
 
+def text_order_positions(origins: torch.Tensor, r: int) -> torch.Tensor:
+    """origins [L, H, n] of a row with a window of r slots -> [L, H, r]: where each window token stood
+    among the row's own tokens (slots r..n-1, ascending origins), worked out one token at a time."""
+    out = torch.zeros(*origins.shape[:2], r, dtype=torch.float64)
+    for layer in range(origins.shape[0]):
+        for head in range(origins.shape[1]):
+            own = origins[layer, head, r:].tolist()
+            assert own == sorted(own)  # slots keep the order of the text
+            for slot, o in enumerate(origins[layer, head, :r].tolist()):
+                older = sum(x < o for x in own)
+                since = own[older - 1] if older else -1
+                until = own[older] if older < len(own) else o + 1
+                out[layer, head, slot] = r - 1 + older + (o - since) / (until - since)
+    return out
+
+
 def assert_window_holds_archive_tokens(model, cache, row: int) -> None:
     """Slots [0, r) of every layer and head are copies of the archived tokens `windows[row]` names:
-    their keys, values and origins, keys rotated to positions 0..r-1; pinned is True exactly there;
-    the row's own tokens [r, n) are rotated to their slots."""
+    their keys, values and origins, keys rotated to where their tokens stood in the text among the
+    row's own tokens (`text_order_positions`); pinned is True exactly there; the row's own tokens
+    [r, n) are rotated to their slots."""
     r, n = cache.recalled[row], cache.lengths[row]
     state = row_state(cache, row)
     assert torch.equal(state["pinned"], (torch.arange(n) < r).expand_as(state["pinned"]))
     cos, sin = rope(model, n)
-    torch.testing.assert_close(state["rotated"], rotate(state["keys"], cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state["rotated"][:, :, r:], rotate(state["keys"], cos, sin)[:, :, r:], rtol=1e-5, atol=1e-5)
+    if r:
+        placed = text_order_positions(state["origins"], r)
+        x = torch.zeros(1, 1, state["keys"].shape[-1])
+        cos, sin = (t[0].view(*placed.shape, -1) for t in model.model.rotary_emb(x, placed.reshape(1, -1).float()))
+        torch.testing.assert_close(state["rotated"][:, :, :r], rotate(state["keys"][:, :, :r], cos, sin),
+                                   rtol=1e-5, atol=1e-5)
     if not r:
         assert cache.windows[row] is None
         return
@@ -205,7 +228,8 @@ def test_growing_moves_the_row_s_own_tokens_unchanged_and_rotates_them_to_their_
     for name in ("keys", "values", "scores", "origins"):
         assert torch.equal(after[name][:, :, want:], before[name][:, :, r:])
     cos, sin = rope(peaked_model, n + want - r)
-    torch.testing.assert_close(after["rotated"], rotate(after["keys"], cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after["rotated"][:, :, want:], rotate(after["keys"], cos, sin)[:, :, want:],
+                               rtol=1e-5, atol=1e-5)
     assert torch.equal(after["pinned"], (torch.arange(n + want - r) < want).expand_as(after["pinned"]))
     # Until queries choose, the window holds the newest blocks of every head.
     full = cache.archives[0].full_blocks
@@ -515,3 +539,27 @@ def test_a_decode_pass_forgets_the_chunk_s_queries_so_the_next_turn_chooses_its_
     assert cache.ahead[0] is not None
     gen.step(cache, [[5]])
     assert cache.ahead[0] is None
+
+
+def test_recalled_tokens_take_places_that_read_with_the_row_s_own_tokens_in_the_order_of_the_text():
+    """`text_positions`: sorted by position, window and own tokens come in the order of their origins,
+    the window's tokens within (first - 1, first + m), as the one-at-a-time reference places them;
+    a token older than every own token and one newer than all of them included."""
+    g = torch.Generator().manual_seed(0)
+    layers, heads, r, m = 2, 3, 8, 12
+    first = r  # the window's slots come first
+    recalled, own = torch.empty(layers, heads, r, dtype=torch.int64), torch.empty(layers, heads, m, dtype=torch.int64)
+    for layer in range(layers):
+        for head in range(heads):
+            order = torch.randperm(40, generator=g)
+            recalled[layer, head], own[layer, head] = order[:r], order[r:r + m].sort().values
+    recalled[0, 0], own[0, 0] = torch.tensor([0, 13, 20, 14, 30, 15, 16, 17]), torch.arange(1, m + 1)  # 0: older than all
+    recalled[0, 1], own[0, 1] = torch.tensor([39, 12, 14, 16, 18, 20, 22, 24]), torch.arange(m)  # 39: newer than all
+    placed = recall.text_positions(recalled, own, first)
+    assert placed.dtype == torch.float32 and placed.shape == (layers, heads, r)
+    assert (placed > first - 1).all() and (placed < first + m).all()
+    positions = torch.cat([placed, (first + torch.arange(m, dtype=torch.float32)).expand(layers, heads, m)], -1)
+    origins = torch.cat([recalled, own], -1)
+    in_place_order = origins.gather(-1, positions.argsort(dim=-1))
+    assert (in_place_order[..., 1:] > in_place_order[..., :-1]).all()
+    torch.testing.assert_close(placed.double(), text_order_positions(origins, r), rtol=0, atol=1e-6)
