@@ -96,6 +96,14 @@ class UnsupportedModelError(ValueError):
     """The model is not a decoder-only transformer with rotary position embeddings."""
 
 
+def _frequencies(rotary) -> torch.Tensor | None:
+    """The rotary embedding's frequencies in the layout of its cos/sin (each repeated), if it keeps
+    them as `inv_freq` (transformers' RoPE modules do) and they do not change with the position."""
+    inv_freq = getattr(rotary, "inv_freq", None)
+    dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
+    return None if inv_freq is None or dynamic else torch.cat([inv_freq, inv_freq]).float()
+
+
 def model_spec(model: PreTrainedModel) -> ModelSpec:
     """Check that `model` is a RoPE decoder the cache can drive and describe it for `H2OCache`."""
     config = model.config
@@ -122,7 +130,8 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         head_dim=head_dim,
         device=param.device,
         dtype=param.dtype,
-        rope=RopeTable(lambda positions: rotary(dummy, positions), param.device),
+        rope=RopeTable(lambda positions: rotary(dummy, positions), param.device, _frequencies(rotary),
+                       float(getattr(rotary, "attention_scaling", 1.0))),
         num_heads=config.num_attention_heads,
         scaling=float(getattr(layers[0].self_attn, "scaling", head_dim ** -0.5)),
     )

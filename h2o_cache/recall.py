@@ -152,8 +152,7 @@ def place(cache: H2OCache, row: int, layers: slice = slice(None)) -> None:
         return
     positions = text_positions(cache._origins[layers, row, :, :r], cache._origins[layers, row, :, r:n], r)
     cos, sin = cache.spec.rope.at(positions)
-    keys = cache._keys[layers, row, :, :r]
-    cache._rotated[layers, row, :, :r] = rotate(keys.float(), cos, sin).to(keys.dtype)
+    rotate_into(cache._rotated[layers, row, :, :r], cache._keys[layers, row, :, :r], cos, sin)
 
 
 def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:
@@ -167,7 +166,10 @@ def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> tor
     sits in (first - 1, first), one newer than all in (first + m - 1, first + m). Fixed shapes, no
     host reads: a device computes it where the window lives."""
     m = own.shape[-1]
-    after = (own[..., None, :] < recalled[..., None]).sum(-1)  # [L, H, r]: own tokens older than each
+    if own.device.type == "cpu":  # own tokens older than each [L, H, r]: a binary search on the CPU,
+        after = torch.searchsorted(own.contiguous(), recalled.contiguous())
+    else:  # one parallel comparison on a device (which also runs where searchsorted has no kernel)
+        after = (own[..., None, :] < recalled[..., None]).sum(-1)
     before = own.gather(-1, (after - 1).clamp(min=0))
     since = torch.where(after > 0, before, torch.full_like(before, -1))
     until = torch.where(after < m, own.gather(-1, after.clamp(max=m - 1)), recalled + 1)
