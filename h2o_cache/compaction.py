@@ -58,7 +58,7 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
         cache._scores[:, picked, :, :target] = scores.gather(3, index)
     cache._origins[:, picked, :, :target] = cache._origins[:, picked, :, :longest].gather(3, index)
     # A recall window's slots [0, recalled) are pinned and the first slots: kept where they are, so
-    # their vectors are neither copied nor re-rotated.
+    # their vectors are not copied (`recall.place` re-rotates their keys once the own tokens moved).
     still = min(cache.recalled[row] for row in rows) if config.recalls else 0
     index = index[..., still:]
     if native_compaction(cache):
