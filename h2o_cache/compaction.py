@@ -67,8 +67,8 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
         move_kept(cache, picked, row_ids, index, still, target)
     for row, n in zip(rows, keep):
         cache.lengths[row] = n
-        if cache.recalled[row]:  # the row's own tokens moved: its window's place among them with them
-            recall.place(cache, row)
+    if config.recalls:  # the rows' own tokens moved: their windows' places among them with them
+        recall.place(cache, rows)
 
 
 def move_kept(cache: H2OCache, picked: slice | torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,

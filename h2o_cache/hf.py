@@ -97,11 +97,11 @@ class UnsupportedModelError(ValueError):
 
 
 def _frequencies(rotary) -> torch.Tensor | None:
-    """The rotary embedding's frequencies in the layout of its cos/sin (each repeated), if it keeps
-    them as `inv_freq` (transformers' RoPE modules do) and they do not change with the position."""
+    """The rotary embedding's D/2 frequencies, if it keeps them as `inv_freq` (transformers' RoPE
+    modules do) and they do not change with the position."""
     inv_freq = getattr(rotary, "inv_freq", None)
     dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
-    return None if inv_freq is None or dynamic else torch.cat([inv_freq, inv_freq]).float()
+    return None if inv_freq is None or dynamic else inv_freq.float()
 
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:

@@ -102,11 +102,9 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     if native_recall.supports(cache):
         if everywhere and layers == slice(None):
             native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
-            place(cache, row)  # the kernel rotates what it writes to its slot
             return
         if not everywhere and not per_layer and (layers.step or 1) == 1:
             native_recall.choose_blocks(cache, row, grouped, scaling, layers)
-            place(cache, row, layers)
             return
     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
     fill(cache, row, chosen, layers)
@@ -136,9 +134,7 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
     cache._keys[at[0], row, at[1], at[2]] = keys
     cache._values[at[0], row, at[1], at[2]] = values[:, 0].to(device)
     cache._origins[at[0], row, at[1], at[2]] = origins[:, 0].to(device)
-    r, n = chosen.shape[-1], cache.lengths[row]
-    placed = text_positions(cache._origins[layers, row, :, :r], cache._origins[layers, row, :, r:n], r)
-    cos, sin = cache.spec.rope.at(placed[at[0] - first, at[1], at[2]])
+    cos, sin = cache.spec.rope.at(window_positions(cache, row, layers)[at[0] - first, at[1], at[2]])
     cache._rotated[at[0], row, at[1], at[2]] = rotate(keys.float(), cos, sin).to(keys.dtype)
     if cache._scores is not None:
         cache._scores[at[0], row, at[1], at[2]] = 0.0
@@ -147,16 +143,27 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
 
 
 @torch.no_grad()
-def place(cache: H2OCache, row: int, layers: slice = slice(None)) -> None:
-    """Rotate the window's keys of `layers` to where their tokens stood in the text among the row's
-    own tokens (`text_positions`), as `fill` rotates the slots it writes: after the kernel's choices
-    (which rotate to the slots) and after every eviction (which moves the row's own tokens)."""
-    r, n = cache.recalled[row], cache.lengths[row]
-    if not r or n <= r:
+def place(cache: H2OCache, rows: list[int]) -> None:
+    """Rotate the window keys of each of `rows` to where their tokens stood in the text among the row's
+    own tokens (`text_positions`), after an eviction moved those (`fill` and the kernel's choices place
+    what they write); on the CPU in one kernel call for all the rows (`native_recall.place`)."""
+    rows = [row for row in rows if 0 < cache.recalled[row] < cache.lengths[row]]
+    if not rows:
         return
-    positions = text_positions(cache._origins[layers, row, :, :r], cache._origins[layers, row, :, r:n], r)
-    cos, sin = cache.spec.rope.at(positions)
-    rotate_into(cache._rotated[layers, row, :, :r], cache._keys[layers, row, :, :r], cos, sin)
+    if native_recall.supports(cache):
+        native_recall.place(cache, rows)
+        return
+    for row in rows:
+        r = cache.recalled[row]
+        cos, sin = cache.spec.rope.at(window_positions(cache, row))
+        rotate_into(cache._rotated[:, row, :, :r], cache._keys[:, row, :, :r], cos, sin)
+
+
+def window_positions(cache: H2OCache, row: int, layers: slice = slice(None)) -> torch.Tensor:
+    """`text_positions` of the row's window in `layers`: [L', H_kv, recalled[row]]."""
+    r, n = cache.recalled[row], cache.lengths[row]
+    origins = cache._origins[layers, row]
+    return text_positions(origins[..., :r], origins[..., r:n], r)
 
 
 def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:

@@ -43,14 +43,15 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 class RopeTable:
     """cos/sin for positions 0..n-1, computed by the model's own rotary embedding and grown on demand.
 
-    rope_fn(positions [1, N] int64) -> (cos, sin), each [1, N, D]; frequencies [D] (each of the D/2
-    repeated, transformers' layout) and scale (its attention scaling), where known, for `at`.
+    rope_fn(positions [1, N], int64 or float) -> (cos, sin), each [1, N, D]; frequencies [D/2]
+    (transformers' `inv_freq`) and scale (its attention scaling) where the angles are position x
+    frequency (not a dynamic RoPE), for `at` and the kernels that place recalled keys.
     """
 
     def __init__(self, rope_fn, device: torch.device, frequencies: torch.Tensor | None = None, scale: float = 1.0):
         self._rope_fn = rope_fn
         self._device = device
-        self._frequencies = None if frequencies is None else frequencies.float().to(device)
+        self.frequencies = None if frequencies is None else frequencies.float().to(device)
         self._scale = scale
         self.cos = torch.empty(0, 0, device=device)
         self.sin = torch.empty(0, 0, device=device)
@@ -58,12 +59,10 @@ class RopeTable:
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at any positions, fractional ones too ([...] -> [..., D] fp32 each): RoPE's angles
         are position x frequency, so a position between two slots turns a key between their angles."""
-        if self._frequencies is None:  # no frequencies given: the model's, read off its table at position 1
-            cos, sin = self._rope_fn(torch.ones(1, 1, dtype=torch.long, device=self._device))
-            cos, sin = cos[0, 0].double(), sin[0, 0].double()
-            self._frequencies, self._scale = torch.atan2(sin, cos).float(), float(cos.hypot(sin)[0])
-        half = self._frequencies.shape[0] // 2  # each frequency twice: half the angles, repeated
-        angles = positions.float()[..., None] * self._frequencies[:half]
+        if self.frequencies is None:  # the model's own function at the float positions
+            cos, sin = self._rope_fn(positions.reshape(1, -1).float())
+            return cos[0].float().view(*positions.shape, -1), sin[0].float().view(*positions.shape, -1)
+        angles = positions.float()[..., None] * self.frequencies  # half the angles, repeated
         cos, sin = angles.cos() * self._scale, angles.sin() * self._scale
         return torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
 

@@ -15,7 +15,9 @@
 // token of every head, and each head takes its `window` tokens of most score (ties: the lower index),
 // in ascending order. Slot j of a head is rewritten only where its token differs from `held` (a
 // window that keeps its first tokens keeps their slots): key, value and origin copied from the
-// archive, the key rotated to position j, score 0.
+// archive, the key rotated to where its token stood in the text among the row's own tokens (slots
+// window .. length - 1; `recall.text_positions`), score 0. A slot that keeps its token keeps its
+// place: the own tokens have not moved since it was placed (an eviction places the whole window).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +27,7 @@
 #include <numeric>
 #include <vector>
 
+#include "placement.h"
 #include "vector_math.h"
 
 namespace {
@@ -40,7 +43,7 @@ struct Choice {
     const float* keys;     // [L, H, capacity, D], before RoPE
     const float* values;
     const int64_t* origins;  // [L, H, capacity]
-    const float* cos;      // [window, D]
+    const float* cos;      // [length, D]: the model's RoPE table
     const float* sin;
     float* cache_keys;     // the row's slot j of layer l, head h: l * kv_layer_stride + h * kv_head_stride + j * D
     float* cache_rotated;
@@ -51,6 +54,8 @@ struct Choice {
     int64_t* cache_origins;
     int64_t origin_layer_stride, origin_head_stride;
     int64_t* held;         // [L, H, window] in/out: the archive token each slot holds (-1: unknown)
+    const float* frequencies;  // [D / 2], RoPE's, each <= 1
+    int64_t length;        // the row's slots: its own tokens are window .. length - 1
 };
 
 // out[g] = a . q[g] for g < 4 (q: 4 rows of d floats; d a multiple of 8): one pass over a, four
@@ -322,28 +327,27 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, flo
 }
 
 // The window slots of one head whose token changed <- copies of the archive tokens `tokens` (keys
-// rotated to their slot positions, scores 0); returns how many were written.
+// rotated to their places in the text, scores 0); returns how many were written.
 int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* tokens, int64_t* held) {
-    const int64_t D = c.dim, half = D / 2, head = layer * c.heads + h;
+    const int64_t D = c.dim, head = layer * c.heads + h;
     const float* keys = c.keys + head * c.capacity * D;
     const float* values = c.values + head * c.capacity * D;
     const int64_t* origins = c.origins + head * c.capacity;
     const int64_t at = layer * c.kv_layer_stride + h * c.kv_head_stride;
     float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
+    int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
     int32_t written = 0;
     for (int64_t j = 0; j < c.window; ++j) {
         if (held[j] == tokens[j]) continue;
         held[j] = tokens[j];
         ++written;
         const float* k = keys + tokens[j] * D;
-        const float* cos = c.cos + j * D;
-        const float* sin = c.sin + j * D;
-        float* rotated = c.cache_rotated + at + j * D;
         memcpy(c.cache_keys + at + j * D, k, D * sizeof(float));
         memcpy(c.cache_values + at + j * D, values + tokens[j] * D, D * sizeof(float));
-        for (int64_t d = 0; d < half; ++d) rotated[d] = k[d] * cos[d] - k[d + half] * sin[d];
-        for (int64_t d = half; d < D; ++d) rotated[d] = k[d] * cos[d] + k[d - half] * sin[d];
-        c.cache_origins[layer * c.origin_layer_stride + h * c.origin_head_stride + j] = origins[tokens[j]];
+        const TextPosition place = text_position(cache_origins + c.window, c.length - c.window, origins[tokens[j]], c.window);
+        rotate_placed(k, c.cos + place.slot * D, c.sin + place.slot * D, c.frequencies, place.share,
+                      c.cache_rotated + at + j * D, D);
+        cache_origins[j] = origins[tokens[j]];
         if (scores) scores[j] = 0.0f;
     }
     return written;
@@ -361,7 +365,7 @@ void fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
 int choose(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, n = c.blocks * B;
     const int64_t K = c.candidates * B, mask = c.positions - 1;
-    if (c.positions <= 0 || (c.positions & mask) || r > n || r <= 0 || c.candidates > c.blocks || c.dim % 8)
+    if (c.positions <= 0 || (c.positions & mask) || r > n || r <= 0 || c.candidates > c.blocks || c.dim % 8 || c.length < r)
         return 1;
     const int threads = static_cast<int>(c.threads);
     std::vector<int64_t> chosen(heads * r);
@@ -423,7 +427,7 @@ int choose(const Choice& c, int32_t* written) {
 int choose_blocks(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, N = c.blocks, C = c.candidates;
     const int64_t D = c.dim, K = C * B, want = r / B, mask = c.positions - 1;
-    if (c.positions <= 0 || (c.positions & mask) || r % B || want > N || r <= 0 || C > N || C < want || D % 8)
+    if (c.positions <= 0 || (c.positions & mask) || r % B || want > N || r <= 0 || C > N || C < want || D % 8 || c.length < r)
         return 1;
     const int threads = static_cast<int>(c.threads);
     constexpr int64_t part = 48;  // queries per task, a multiple of 4
@@ -538,6 +542,41 @@ int choose_blocks(const Choice& c, int32_t* written) {
     return 0;
 }
 
+// The recall windows of a few rows (slots [0, recalled[i]) of row row_ids[i], which holds lengths[i]
+// slots) placed in the text: every window key rotated to where its token stood among the row's own
+// tokens (`recall.place`), after an eviction moved those.
+struct Placement {
+    int64_t layers, rows_capacity, heads, capacity, dim;
+    const float* keys;          // the cache's [layers, rows, heads, capacity, dim], before RoPE
+    float* rotated;
+    const int64_t* origins;     // [layers, rows, heads, capacity]; the own tokens' ascending
+    const float* cos;           // [>= max length, dim]: the model's RoPE table
+    const float* sin;
+    const float* frequencies;   // [dim / 2], each <= 1
+    const int64_t* row_ids;     // [rows]
+    const int64_t* recalled;
+    const int64_t* lengths;
+    int64_t rows, threads;
+};
+
+int place(const Placement& p) {
+    const int64_t tasks = p.layers * p.rows * p.heads, D = p.dim;
+    for (int64_t i = 0; i < p.rows; ++i)
+        if (p.recalled[i] < 0 || p.lengths[i] < p.recalled[i] || p.lengths[i] > p.capacity) return 1;
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(p.threads))
+    for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t l = task / (p.rows * p.heads), i = task / p.heads % p.rows, h = task % p.heads;
+        const int64_t r = p.recalled[i], base = ((l * p.rows_capacity + p.row_ids[i]) * p.heads + h) * p.capacity;
+        const int64_t* origins = p.origins + base;
+        for (int64_t j = 0; j < r; ++j) {
+            const TextPosition at = text_position(origins + r, p.lengths[i] - r, origins[j], r);
+            rotate_placed(p.keys + (base + j) * D, p.cos + at.slot * D, p.sin + at.slot * D, p.frequencies, at.share,
+                          p.rotated + (base + j) * D, D);
+        }
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -558,5 +597,9 @@ int h2o_recall_panel_product(const float* q, int64_t G, int64_t depth, const flo
 // Choose and fill one row's recall window in a few layers by whole blocks, for a prefill chunk's
 // queries (see choose_blocks); the Choice's pointers start at the first of those layers.
 int h2o_recall_choose_blocks(const Choice* choice, int32_t* written) { return choose_blocks(*choice, written); }
+
+// Places the recall windows of a few rows in the text (see Placement); 0, or nonzero with nothing
+// written for a row whose counts do not fit the buffers (1).
+int h2o_recall_place(const Placement* placement) { return place(*placement); }
 
 }

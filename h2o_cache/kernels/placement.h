@@ -1,0 +1,73 @@
+// A recall window's keys rotated to where their tokens stood in the text among the row's own tokens
+// (`recall.text_positions`, `RopeTable.at`), shared by the choice (`recall_choice.cpp`) and the
+// placement after an eviction (`compaction.cpp`).
+#pragma once
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include <algorithm>
+#include <initializer_list>
+
+namespace {
+
+// Where a token of origin `origin` stands among own tokens of ascending origins own[0..m), which sit
+// in slots first .. first + m - 1: at slot + share, share in (0, 1] (`recall.text_positions`): between
+// the slots of the own tokens around it, by its origin's share of the gap between theirs; past the
+// newest own token as if the next one came right after it.
+struct TextPosition {
+    int64_t slot;
+    float share;
+};
+
+inline TextPosition text_position(const int64_t* own, int64_t m, int64_t origin, int64_t first) {
+    const int64_t after = std::lower_bound(own, own + m, origin) - own;  // own tokens older than it
+    const int64_t since = after > 0 ? own[after - 1] : -1;
+    const int64_t until = after < m ? own[after] : origin + 1;
+    const double share = static_cast<double>(origin - since) / static_cast<double>(std::max<int64_t>(until - since, 1));
+    return {first - 1 + after, static_cast<float>(share)};
+}
+
+// sin(a), cos(a) for |a| <= 1: their Taylor series to the 9th and 10th powers (error < 3e-8).
+inline void small_sincos(float a, float* s, float* c) {
+    const float a2 = a * a;
+    *s = a * (1.0f + a2 * (-1.0f / 6 + a2 * (1.0f / 120 + a2 * (-1.0f / 5040 + a2 * (1.0f / 362880)))));
+    *c = 1.0f + a2 * (-0.5f + a2 * (1.0f / 24 + a2 * (-1.0f / 720 + a2 * (1.0f / 40320 - a2 * (1.0f / 3628800)))));
+}
+
+inline __m256 poly8(__m256 x, std::initializer_list<float> coefficients) {  // c0 + x (c1 + x (...))
+    const float* c = coefficients.end();
+    __m256 p = _mm256_set1_ps(*--c);
+    while (c != coefficients.begin()) p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(*--c));
+    return p;
+}
+
+// out = x rotated to position slot + share, RoPE in transformers' layout (dim/2 frequencies, the two
+// halves of cos and sin repeated): angles are position x frequency, so the slot's rotation (cos, sin:
+// the model's table row `slot`, its attention scaling included) composed with share x frequency's
+// (`small_sincos`: |angle| <= 1 for frequencies <= 1). Eight frequencies at a time.
+inline void rotate_placed(const float* x, const float* cos, const float* sin, const float* frequencies, float share,
+                          float* out, int64_t dim) {
+    const int64_t half = dim / 2;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 a = _mm256_mul_ps(_mm256_set1_ps(share), _mm256_loadu_ps(frequencies + i)), a2 = _mm256_mul_ps(a, a);
+        const __m256 s = _mm256_mul_ps(a, poly8(a2, {1.0f, -1.0f / 6, 1.0f / 120, -1.0f / 5040, 1.0f / 362880}));
+        const __m256 c = poly8(a2, {1.0f, -0.5f, 1.0f / 24, -1.0f / 720, 1.0f / 40320, -1.0f / 3628800});
+        const __m256 tc = _mm256_loadu_ps(cos + i), ts = _mm256_loadu_ps(sin + i);
+        const __m256 rc = _mm256_fmsub_ps(tc, c, _mm256_mul_ps(ts, s)), rs = _mm256_fmadd_ps(ts, c, _mm256_mul_ps(tc, s));
+        const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+        _mm256_storeu_ps(out + i, _mm256_fmsub_ps(x1, rc, _mm256_mul_ps(x2, rs)));
+        _mm256_storeu_ps(out + half + i, _mm256_fmadd_ps(x2, rc, _mm256_mul_ps(x1, rs)));
+    }
+    for (; i < half; ++i) {
+        float s, c;
+        small_sincos(share * frequencies[i], &s, &c);
+        const float rc = cos[i] * c - sin[i] * s, rs = sin[i] * c + cos[i] * s;
+        const float x1 = x[i], x2 = x[half + i];
+        out[i] = x1 * rc - x2 * rs;
+        out[half + i] = x2 * rc + x1 * rs;
+    }
+}
+
+}  // namespace
