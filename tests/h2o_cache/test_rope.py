@@ -37,3 +37,34 @@ def test_rotate_into_matches_rotate_and_writes_in_place():
     rotate_into(buffer[:, :, :5], x, cos, sin)
     assert torch.allclose(buffer[:, :, :5], rotate(x, cos, sin), atol=1e-6)
     assert buffer[:, :, 5:].abs().sum() == 0
+
+
+def test_rope_table_at_fractional_positions_with_and_without_frequencies():
+    """`RopeTable.at`: from the model's frequencies (position x frequency) and, without them (a dynamic
+    RoPE), from the model's own function at float positions: the same cos/sin, equal to the table's at
+    whole positions and between a slot's and the next one's angles at a fraction."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from h2o_cache.rope import RopeTable
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    rotary = LlamaRotaryEmbedding(config)
+    dummy = torch.empty(0)
+
+    def rope_fn(positions):
+        return rotary(dummy, positions)
+
+    known = RopeTable(rope_fn, torch.device("cpu"), rotary.inv_freq, rotary.attention_scaling)
+    derived = RopeTable(rope_fn, torch.device("cpu"))
+    positions = torch.tensor([[0.0, 3.0, 3.25], [17.5, 40.0, 99.9]])
+    cos, sin = known.at(positions)
+    assert cos.shape == sin.shape == (2, 3, 16)
+    torch.testing.assert_close(derived.at(positions)[0], cos, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(derived.at(positions)[1], sin, rtol=1e-5, atol=1e-6)
+    table_cos, table_sin = known.get(41)
+    torch.testing.assert_close(cos[1, 1], table_cos[40], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sin[0, 1], table_sin[3], rtol=1e-6, atol=1e-6)
+    angle = 3.25 * rotary.inv_freq  # linear scaling: inv_freq already divided by the factor
+    torch.testing.assert_close(cos[0, 2], torch.cat([angle.cos()] * 2), rtol=1e-6, atol=1e-6)
