@@ -45,7 +45,8 @@ class _Choice(ctypes.Structure):
                    ("cache_scores", ctypes.c_void_p), ("score_layer_stride", ctypes.c_int64),
                    ("score_head_stride", ctypes.c_int64), ("cache_origins", ctypes.c_void_p),
                    ("origin_layer_stride", ctypes.c_int64), ("origin_head_stride", ctypes.c_int64),
-                   ("held", ctypes.c_void_p), ("frequencies", ctypes.c_void_p), ("length", ctypes.c_int64)])
+                   ("held", ctypes.c_void_p), ("frequencies", ctypes.c_void_p), ("length", ctypes.c_int64),
+                   ("half", ctypes.c_void_p)])
 
 
 class _Placement(ctypes.Structure):
@@ -123,7 +124,7 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
         score_head_stride=0 if scores is None else scores.stride(2),
         cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
         origin_head_stride=origins.stride(2), held=held.data_ptr(),
-        frequencies=cache.spec.rope.frequencies.data_ptr(), length=n)
+        frequencies=cache.spec.rope.frequencies.data_ptr(), length=n, half=storage["half"][first].data_ptr())
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")

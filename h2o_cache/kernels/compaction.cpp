@@ -15,7 +15,8 @@
 // per row and a copy per field; ~13 ms per eviction of 8 rows at 272 slots against ~2 ms here).
 // And the archive's tail is formed into blocks in one call (`form_blocks`): the tokens archived since
 // the last full block sorted by original position per head, then each new full block's digests
-// (channel-wise min and max of its keys), as `Archive._digests` does with torch ops.
+// (channel-wise min and max of its keys) and its keys in fp16 for ranking, as `Archive._digests` does
+// with torch ops (the same rounding to nearest even as torch's `half()`).
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -141,6 +142,7 @@ struct Forming {
     int64_t* origins;
     float* lo;
     float* hi;
+    uint16_t* half;  // [heads, capacity, dim] fp16
 };
 
 int form_blocks(const Forming& s) {
@@ -178,6 +180,10 @@ int form_blocks(const Forming& s) {
                 const float* k = s.keys + (head * s.capacity + b * B) * D;
                 float* lo = s.lo + (head * s.digest_capacity + b) * D;
                 float* hi = s.hi + (head * s.digest_capacity + b) * D;
+                uint16_t* half = s.half + (head * s.capacity + b * B) * D;
+                for (int64_t i = 0; i < B * D; i += 8)
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(half + i),
+                                     _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 low = _mm256_loadu_ps(k + d), high = low;
                     for (int64_t t = 1; t < B; ++t) {

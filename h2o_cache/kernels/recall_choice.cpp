@@ -7,8 +7,9 @@
 //   1. bound: for each of the head's G queries, softmax over its N full blocks of the digests' upper
 //      bound of q.k * scaling, sum_d max(q_d lo_d, q_d hi_d) (= q+ . hi + q- . lo), summed over the
 //      queries; the `candidates` blocks of most mass (ties: the lower block first).
-//   2. exact: softmax over the candidates' keys of q.k * scaling, summed over the queries: each
-//      candidate key's attention mass.
+//   2. exact: softmax over the candidates' keys (their fp16 copies, `Archive`) of q.k * scaling,
+//      summed over the queries: each candidate key's attention mass. Where every block is a candidate,
+//      stage 1 is skipped (it could only rank them).
 // Then, in head order (one thread: the sums' order is fixed), every candidate key's mass is added to
 // the vote of its original position modulo `positions`; each position's vote plus the votes of the
 // positions within `span` of it (summed in fp64, as `selection.span_votes`) scores every archived
@@ -56,6 +57,7 @@ struct Choice {
     int64_t* held;         // [L, H, window] in/out: the archive token each slot holds (-1: unknown)
     const float* frequencies;  // [D / 2], RoPE's, each <= 1
     int64_t length;        // the row's slots: its own tokens are window .. length - 1
+    const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in fp16, for ranking
 };
 
 // out[g] = a . q[g] for g < 4 (q: 4 rows of d floats; d a multiple of 8): one pass over a, four
@@ -64,6 +66,20 @@ inline __m128 dot4(const float* a, const float* q, int64_t d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (int64_t i = 0; i < d; i += 8) {
         const __m256 x = _mm256_loadu_ps(a + i);
+        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + i), s0);
+        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + d + i), s1);
+        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + 2 * d + i), s2);
+        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + 3 * d + i), s3);
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// dot4 of fp16 items a (widened exactly to fp32, the same products and sums).
+inline __m128 dot4_half(const uint16_t* a, const float* q, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
         s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + i), s0);
         s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + d + i), s1);
         s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + 2 * d + i), s2);
@@ -222,14 +238,18 @@ void panel_product(const float* q, int64_t G, int64_t depth, const float* panel,
     (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
 }
 
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return _cvtsh_ss(x); }
+
 // Rows offset .. offset + width of the tiles (`panel_product`, `depth` rows each) <- n items, item j's
-// values at rows(j) (width floats); the panel must be zeroed first (past the last item it stays 0).
+// values at rows(j) (width floats, or fp16 widened); the panel must be zeroed first (past the last
+// item it stays 0).
 template <class Row>
 void pack_tiles(int64_t n, int64_t width, int64_t depth, int64_t offset, Row rows, float* panel) {
     for (int64_t j = 0; j < n; ++j) {
-        const float* row = rows(j);
+        const auto* row = rows(j);
         float* column = panel + (j / TILE) * depth * TILE + offset * TILE + j % TILE;
-        for (int64_t d = 0; d < width; ++d) column[d * TILE] = row[d];
+        for (int64_t d = 0; d < width; ++d) column[d * TILE] = widen(row[d]);
     }
 }
 
@@ -297,7 +317,7 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
                 Scratch& s, float* mass) {
     const int64_t B = c.block, D = c.dim, G = g1 - g0;
     const float* q = s.queries.data();
-    const float* keys = c.keys + head * c.capacity * D;
+    const uint16_t* keys = c.half + head * c.capacity * D;
     s.logits.resize((G + 3) / 4 * 4 * K);
     float* logits = s.logits.data();
     // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
@@ -305,9 +325,9 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
     constexpr int64_t ahead = 2;
     score_items(G, K, K, logits, [&](int64_t g, int64_t k) {
         if (k % B == 0 && k + ahead * B < K)
-            for (int64_t i = 0; i < B * D; i += 16)
+            for (int64_t i = 0; i < B * D; i += 32)
                 _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
-        return dot4(keys + keys_at[k] * D, q + g * D, D);
+        return dot4_half(keys + keys_at[k] * D, q + g * D, D);
     });
     for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass);
 }
@@ -316,10 +336,15 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
 // ascending) and their masses.
 void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, float* mass_out) {
     const int64_t N = c.blocks, B = c.block, C = c.candidates, K = C * B;
-    s.mass.assign(N, 0.0f);
-    bound_part(c, head, 0, c.group, s, s.mass.data());
     s.best.resize(C);
-    best_of(s.mass.data(), N, C, s.keys, s.best.data());
+    if (C == N) {  // every block: the bound could only rank them
+        load_queries(c, head, 0, c.group, s);
+        std::iota(s.best.begin(), s.best.end(), 0);
+    } else {
+        s.mass.assign(N, 0.0f);
+        bound_part(c, head, 0, c.group, s, s.mass.data());
+        best_of(s.mass.data(), N, C, s.keys, s.best.data());
+    }
     for (int64_t j = 0; j < C; ++j)
         for (int64_t i = 0; i < B; ++i) keys_out[j * B + i] = s.best[j] * B + i;
     std::fill(mass_out, mass_out + K, 0.0f);
@@ -500,7 +525,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 }
                 float* panel = panels.data() + head * key_size;  // the digests' panel is spent
                 std::fill(panel, panel + key_size, 0.0f);
-                const float* stored = c.keys + head * c.capacity * D;
+                const uint16_t* stored = c.half + head * c.capacity * D;
                 pack_tiles(K, D, D, 0, [&](int64_t k) { return stored + at[k] * D; }, panel);
             }
 #pragma omp for schedule(static)

@@ -222,7 +222,8 @@ def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_we
 
 def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(monkeypatch):
     """Appends of uneven sizes whose origins are scrambled differently in every head, formed after each
-    append (some leaving a tail short of a block) and at the limit: the same storage order and digests."""
+    append (some leaving a tail short of a block) and at the limit: the same storage order, digests and
+    fp16 keys."""
     def filled(native: bool) -> list[dict[str, torch.Tensor]]:
         with monkeypatch.context() as patch:
             if not native:
@@ -235,7 +236,11 @@ def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(monkey
                 a.append(keys, values, scores, origins)
                 seen += m
                 lo, hi = a._digests()
-                out.append(a.state() | {"lo": lo.clone(), "hi": hi.clone(), "dropped": torch.tensor(a.dropped)})
+                state, full = a.state(), a.full_blocks * a.block
+                half = a.storage()["half"][:, :, :full]  # the full blocks' keys in fp16, for ranking
+                assert torch.equal(half, state["keys"][:, :, :full].half())  # after drops at the limit too
+                out.append(state | {"lo": lo.clone(), "hi": hi.clone(), "half": half.clone(),
+                                    "dropped": torch.tensor(a.dropped)})
             return out
 
     assert archive().native()
