@@ -14,7 +14,8 @@ q, sum_d max(q_d lo_d, q_d hi_d) bounds q.k from above for every key k of the bl
 holding one key the query would attend to strongly scores high even when its other keys are noise.
 The bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0. The bound
 picks candidate blocks; the logits of the queries against their keys choose among them (`select`),
-with the keys a full block keeps in fp16 beside the fp32 ones: ranking reads every candidate's keys
+with the keys a full block keeps in fp16 beside fp32 ones (a 16-bit archive ranks by its own keys):
+ranking reads every candidate's keys
 (all of a 2k history's, ~42 MB per decode choice of a row of the default model), and half the bytes
 took a row's choice from 3.9 to 2.5 ms (the C++ kernel, 2 threads, batch 8 at 2k tokens), for 1/4 more
 host memory per archived token and logits rounded to fp16 keys (a relative ~5e-4 per key).
@@ -54,8 +55,8 @@ class Archive:
     """Evicted tokens of one cache row, per layer and KV head, at most `limit` per head.
 
     Storage: keys, values [L, H_kv, n, D] in the cache's dtype; scores [L, H_kv, n] fp32; origins
-    [L, H_kv, n] int64; per block: digests lo, hi [L, H_kv, blocks, D] fp32 and its keys in fp16
-    for ranking [L, H_kv, block, D] (computed when first needed). When an append would pass `limit`, the oldest blocks are dropped (an eighth of the
+    [L, H_kv, n] int64; per block: digests lo, hi [L, H_kv, blocks, D] fp32 and, for an fp32
+    archive, its keys in fp16 for ranking [L, H_kv, block, D] (computed when first needed). When an append would pass `limit`, the oldest blocks are dropped (an eighth of the
     limit at a time, so that the shift is paid rarely); `epoch` counts such renumberings of blocks.
     """
 
@@ -77,6 +78,11 @@ class Archive:
         self._digested = 0  # blocks whose digests are computed
         self._incoming: list[tuple[int, tuple[torch.Tensor | None, ...], torch.cuda.Event | None]] = []
 
+    def _ranks_copies(self) -> bool:
+        """Whether full blocks keep fp16 copies of their keys for ranking (an fp32 archive), rather
+        than being ranked by their own 16-bit keys."""
+        return self.dtype.itemsize > 2
+
     def __len__(self) -> int:
         """Tokens per layer/head held."""
         return self.stored
@@ -90,7 +96,7 @@ class Archive:
     def nbytes(self) -> int:
         """Host bytes of the held tokens (keys, values, scores, origins and digests)."""
         per_token = (2 * self.head_dim * self.dtype.itemsize + 4 + 8 + 2 * self.head_dim * 4 / self.block
-                     + 2 * self.head_dim)
+                     + (2 * self.head_dim if self._ranks_copies() else 0))
         return int(len(self) * self.shape[0] * self.shape[1] * per_token)
 
     # ----- writing ---------------------------------------------------------------------------
@@ -152,7 +158,7 @@ class Archive:
                "scores": torch.empty(*head, capacity, dtype=torch.float32),
                "origins": torch.empty(*head, capacity, dtype=torch.int64)}
         lo, hi = torch.empty(*head, blocks, d), torch.empty(*head, blocks, d)
-        half = torch.empty(*head, capacity, d, dtype=torch.float16)
+        half = torch.empty(*head, capacity if self._ranks_copies() else 0, d, dtype=torch.float16)
         if self._data:
             for name, buffer in new.items():
                 buffer[:, :, :self.stored] = self._data[name][:, :, :self.stored]
@@ -171,7 +177,8 @@ class Archive:
             buffer[:, :, :self.stored - drop * size] = buffer[:, :, drop * size:self.stored].clone()
         for digest in (self._lo, self._hi):
             digest[:, :, :full - drop] = digest[:, :, drop:full].clone()
-        self._half[:, :, :(full - drop) * size] = self._half[:, :, drop * size:full * size].clone()
+        if self._ranks_copies():
+            self._half[:, :, :(full - drop) * size] = self._half[:, :, drop * size:full * size].clone()
         self._digested = full - drop
         self.stored -= drop * size
         self.dropped += drop * size
@@ -212,7 +219,8 @@ class Archive:
         their keys in fp16."""
         size = self.block
         keys = self._data["keys"][:, :, start * size:end * size].float()
-        self._half[:, :, start * size:end * size] = keys.half()
+        if self._ranks_copies():
+            self._half[:, :, start * size:end * size] = keys.half()
         keys = keys.view(*self.shape, end - start, size, self.head_dim)
         self._lo[:, :, start:end] = keys.amin(dim=3)
         self._hi[:, :, start:end] = keys.amax(dim=3)
@@ -229,8 +237,9 @@ class Archive:
         each KV head (its query group times the tokens of a chunk), any device.
         Per layer and head (`h2o_cache.selection`): the CANDIDATES x `tokens` / block blocks whose
         digests' bound draws the most attention mass are candidates; the logits of the queries against
-        the candidates' keys (their fp16 copies, in fp32 arithmetic) give each key its attention mass, pooled by original position
-        over all the layers and heads of `layers`, and each head takes the candidate blocks whose
+        the candidates' keys (in 16 bits: an fp32 archive's fp16 copies; fp32 arithmetic) give each
+        key its attention mass, pooled by original position over all the layers and heads of
+        `layers`, and each head takes the candidate blocks whose
         tokens' positions drew the most; `everywhere`: the `tokens` tokens of all its full blocks
         whose positions, with their neighbours' within `span`, drew the most (`token_votes`), for a choice
         that pools many heads (a decode step's, over all layers), where one head's bound missing a
@@ -248,7 +257,8 @@ class Archive:
         candidates = top_blocks(mass, min(CANDIDATES * blocks, mass.shape[-1]))
         if candidates.shape[-1] > blocks:
             origins, = self.gather(candidates, layers, ("origins",))  # [L', H_kv, wanted * block]
-            keys = _gather(self._half[layers], block_tokens(candidates, self.block))  # [..., D] fp16
+            ranked = self._half if self._ranks_copies() else self._data["keys"]  # 16-bit keys
+            keys = _gather(ranked[layers], block_tokens(candidates, self.block))  # [..., D]
             mass = token_mass(q, keys.to(device).float(), scaling)
             if everywhere:
                 votes = span_votes(position_votes(mass, origins.to(device), POSITIONS), span).cpu()

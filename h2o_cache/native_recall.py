@@ -141,7 +141,8 @@ def place(cache, rows: list[int]) -> None:
                                   (rows, [cache.recalled[row] for row in rows], [cache.lengths[row] for row in rows]))
     cos, sin = (t.contiguous() for t in cache.spec.rope.get(int(lengths.max())))
     job = _Placement(layers=layers, rows_capacity=rows_capacity, heads=heads, capacity=capacity, dim=dim,
-                     keys=buffers.keys.data_ptr(), rotated=buffers.rotated.data_ptr(), origins=buffers.origins.data_ptr(),
+                     keys=buffers.keys.data_ptr(), rotated=buffers.rotated.data_ptr(),
+                     origins=buffers.origins.data_ptr(),
                      cos=cos.data_ptr(), sin=sin.data_ptr(), frequencies=cache.spec.rope.frequencies.data_ptr(),
                      row_ids=row_ids.data_ptr(), recalled=recalled.data_ptr(), lengths=lengths.data_ptr(),
                      rows=len(rows), threads=torch.get_num_threads())
