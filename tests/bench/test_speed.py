@@ -49,3 +49,18 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
         "| prefill of a 100-token prompt in chunks of 16, and body chunks given their previous chunk's choice (recall_ahead)"]
     assert all(row.endswith(("| met |", "| MISSED |")) for row in rows)
     assert "Archive after the history: 90 tokens per layer/head" in out
+
+
+def test_recall_speed_breakdown_times_the_window_without_choices_and_as_many_slots_without_recall(tmp_path, capsys):
+    from h2o_cache.bench import random_model, recall_speed
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
+                       "--turn", "8", "--batch-sizes", "2", "--reps", "2", "--steps", "4", "--prompt", "40",
+                       "--intervals", "3", "--prefill-reps", "1", "--breakdown"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode step")]
+    assert [row.split(" |")[0] for row in rows] == [
+        "| decode step, batch 2, on, every 3", "| decode step, batch 2, on, never choosing",
+        "| decode step, batch 2, off, budget 48"]
+    assert rows[0].endswith(("| met |", "| MISSED |"))
+    assert all(row.endswith("|  |  |") for row in rows[1:])  # explained, not judged
