@@ -15,10 +15,10 @@ holding one key the query would attend to strongly scores high even when its oth
 The bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0. The bound
 picks candidate blocks; the logits of the queries against their keys choose among them (`select`),
 with the keys a full block keeps in fp16 beside fp32 ones (a 16-bit archive ranks by its own keys):
-ranking reads every candidate's keys
-(all of a 2k history's, ~42 MB per decode choice of a row of the default model), and half the bytes
-took a row's choice from 3.9 to 2.5 ms (the C++ kernel, 2 threads, batch 8 at 2k tokens), for 1/4 more
-host memory per archived token and logits rounded to fp16 keys (a relative ~5e-4 per key).
+ranking reads every candidate's keys (all of a 2k history's, ~42 MB per decode choice of a row of
+the default model), and half the bytes took a row's choice from 3.9 to 2.5 ms (the C++ kernel, 2
+threads, batch 8 at 2k tokens), for 1/4 more host memory per archived token and logits rounded to
+fp16 keys (a relative ~5e-4 per key).
 
 The archive is never emptied by a recall: the cache's recall window (`h2o_cache.recall`) holds
 copies of the blocks its queries chose, so a block that falls out of the chosen set is still here,
@@ -56,8 +56,9 @@ class Archive:
 
     Storage: keys, values [L, H_kv, n, D] in the cache's dtype; scores [L, H_kv, n] fp32; origins
     [L, H_kv, n] int64; per block: digests lo, hi [L, H_kv, blocks, D] fp32 and, for an fp32
-    archive, its keys in fp16 for ranking [L, H_kv, block, D] (computed when first needed). When an append would pass `limit`, the oldest blocks are dropped (an eighth of the
-    limit at a time, so that the shift is paid rarely); `epoch` counts such renumberings of blocks.
+    archive, its keys in fp16 for ranking [L, H_kv, block, D] (computed when first needed). When an
+    append would pass `limit`, the oldest blocks are dropped (an eighth of the limit at a time, so
+    that the shift is paid rarely); `epoch` counts such renumberings of blocks.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

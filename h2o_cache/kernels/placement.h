@@ -1,13 +1,14 @@
 // A recall window's keys rotated to where their tokens stood in the text among the row's own tokens
-// (`recall.text_positions`, `RopeTable.at`), shared by the choice (`recall_choice.cpp`) and the
-// placement after an eviction (`compaction.cpp`).
+// (`recall.text_positions`, `RopeTable.at`): for the choices' copies and the placement after an
+// eviction (`recall_choice.cpp`).
 #pragma once
 
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <stddef.h>
+
 #include <algorithm>
-#include <initializer_list>
 
 namespace {
 
@@ -28,32 +29,37 @@ inline TextPosition text_position(const int64_t* own, int64_t m, int64_t origin,
     return {first - 1 + after, static_cast<float>(share)};
 }
 
-// sin(a), cos(a) for |a| <= 1: their Taylor series to the 9th and 10th powers (error < 3e-8).
-inline void small_sincos(float a, float* s, float* c) {
-    const float a2 = a * a;
-    *s = a * (1.0f + a2 * (-1.0f / 6 + a2 * (1.0f / 120 + a2 * (-1.0f / 5040 + a2 * (1.0f / 362880)))));
-    *c = 1.0f + a2 * (-0.5f + a2 * (1.0f / 24 + a2 * (-1.0f / 720 + a2 * (1.0f / 40320 - a2 * (1.0f / 3628800)))));
+// sin(a) = a SINE(a^2), cos(a) = COSINE(a^2) for |a| <= 1: their Taylor series to the 9th and 10th
+// powers (error < 3e-8), as coefficients of a^0, a^2, a^4, ...
+constexpr float SINE[] = {1.0f, -1.0f / 6, 1.0f / 120, -1.0f / 5040, 1.0f / 362880};
+constexpr float COSINE[] = {1.0f, -0.5f, 1.0f / 24, -1.0f / 720, 1.0f / 40320, -1.0f / 3628800};
+
+// c[0] + x (c[1] + x (...)), in eight lanes (`__m256`) or one (`float`).
+template <size_t N>
+inline __m256 polynomial(__m256 x, const float (&c)[N]) {
+    __m256 p = _mm256_set1_ps(c[N - 1]);
+    for (size_t i = N - 1; i-- > 0;) p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(c[i]));
+    return p;
 }
 
-inline __m256 poly8(__m256 x, std::initializer_list<float> coefficients) {  // c0 + x (c1 + x (...))
-    const float* c = coefficients.end();
-    __m256 p = _mm256_set1_ps(*--c);
-    while (c != coefficients.begin()) p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(*--c));
+template <size_t N>
+inline float polynomial(float x, const float (&c)[N]) {
+    float p = c[N - 1];
+    for (size_t i = N - 1; i-- > 0;) p = p * x + c[i];
     return p;
 }
 
 // out = x rotated to position slot + share, RoPE in transformers' layout (dim/2 frequencies, the two
 // halves of cos and sin repeated): angles are position x frequency, so the slot's rotation (cos, sin:
 // the model's table row `slot`, its attention scaling included) composed with share x frequency's
-// (`small_sincos`: |angle| <= 1 for frequencies <= 1). Eight frequencies at a time.
+// (`SINE`, `COSINE`: |angle| <= 1 for frequencies <= 1). Eight frequencies at a time.
 inline void rotate_placed(const float* x, const float* cos, const float* sin, const float* frequencies, float share,
                           float* out, int64_t dim) {
     const int64_t half = dim / 2;
     int64_t i = 0;
     for (; i + 8 <= half; i += 8) {
         const __m256 a = _mm256_mul_ps(_mm256_set1_ps(share), _mm256_loadu_ps(frequencies + i)), a2 = _mm256_mul_ps(a, a);
-        const __m256 s = _mm256_mul_ps(a, poly8(a2, {1.0f, -1.0f / 6, 1.0f / 120, -1.0f / 5040, 1.0f / 362880}));
-        const __m256 c = poly8(a2, {1.0f, -0.5f, 1.0f / 24, -1.0f / 720, 1.0f / 40320, -1.0f / 3628800});
+        const __m256 s = _mm256_mul_ps(a, polynomial(a2, SINE)), c = polynomial(a2, COSINE);
         const __m256 tc = _mm256_loadu_ps(cos + i), ts = _mm256_loadu_ps(sin + i);
         const __m256 rc = _mm256_fmsub_ps(tc, c, _mm256_mul_ps(ts, s)), rs = _mm256_fmadd_ps(ts, c, _mm256_mul_ps(tc, s));
         const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
@@ -61,8 +67,7 @@ inline void rotate_placed(const float* x, const float* cos, const float* sin, co
         _mm256_storeu_ps(out + half + i, _mm256_fmadd_ps(x2, rc, _mm256_mul_ps(x1, rs)));
     }
     for (; i < half; ++i) {
-        float s, c;
-        small_sincos(share * frequencies[i], &s, &c);
+        const float a = share * frequencies[i], s = a * polynomial(a * a, SINE), c = polynomial(a * a, COSINE);
         const float rc = cos[i] * c - sin[i] * s, rs = sin[i] * c + cos[i] * s;
         const float x1 = x[i], x2 = x[half + i];
         out[i] = x1 * rc - x2 * rs;

@@ -60,22 +60,8 @@ struct Choice {
     const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in fp16, for ranking
 };
 
-// out[g] = a . q[g] for g < 4 (q: 4 rows of d floats; d a multiple of 8): one pass over a, four
-// accumulators reduced together.
-inline __m128 dot4(const float* a, const float* q, int64_t d) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t i = 0; i < d; i += 8) {
-        const __m256 x = _mm256_loadu_ps(a + i);
-        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + i), s0);
-        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + d + i), s1);
-        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + 2 * d + i), s2);
-        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + 3 * d + i), s3);
-    }
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-// dot4 of fp16 items a (widened exactly to fp32, the same products and sums).
+// out[g] = a . q[g] for g < 4 (a: d fp16 values, widened exactly to fp32; q: 4 rows of d floats; d a
+// multiple of 8): one pass over a, four accumulators reduced together.
 inline __m128 dot4_half(const uint16_t* a, const float* q, int64_t d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (int64_t i = 0; i < d; i += 8) {
