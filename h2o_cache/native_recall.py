@@ -61,13 +61,12 @@ class _Placement(ctypes.Structure):
 def supports(cache) -> bool:
     """Whether the kernel is to choose and place this cache's windows: asked for
     (`CacheConfig.recall_kernel`), fp32 buffers and archive on the CPU, rolling, RoPE's frequencies
-    known and <= 1 (`RopeTable.frequencies`: the window's keys are placed by position x frequency),
+    known and <= 1 (`RopeTable.placeable`: the window's keys are placed by position x frequency),
     head_dim a multiple of 8, and the kernel built."""
-    spec, buffers = cache.spec, cache.buffers()
-    frequencies = spec.rope.frequencies
+    spec = cache.spec
     return (cache.config.recall_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
-            and spec.head_dim % 8 == 0 and buffers.rotated is not None and buffers.keys.is_contiguous()
-            and frequencies is not None and bool((frequencies.abs() <= 1).all()) and kernel() is not None)
+            and spec.head_dim % 8 == 0 and cache._rotated is not None and cache._keys.is_contiguous()
+            and spec.rope.placeable and kernel() is not None)
 
 
 @torch.no_grad()

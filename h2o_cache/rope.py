@@ -45,16 +45,26 @@ class RopeTable:
 
     rope_fn(positions [1, N], int64 or float) -> (cos, sin), each [1, N, D]; frequencies [D/2]
     (transformers' `inv_freq`) and scale (its attention scaling) where the angles are position x
-    frequency (not a dynamic RoPE), for `at` and the kernels that place recalled keys.
+    frequency (not a dynamic RoPE), for `at` and the kernels that place recalled keys; `placeable`
+    says whether those kernels can (frequencies known and each <= 1), decided once.
     """
 
     def __init__(self, rope_fn, device: torch.device, frequencies: torch.Tensor | None = None, scale: float = 1.0):
         self._rope_fn = rope_fn
         self._device = device
         self.frequencies = None if frequencies is None else frequencies.float().to(device)
+        self._placeable: bool | None = None
         self._scale = scale
         self.cos = torch.empty(0, 0, device=device)
         self.sin = torch.empty(0, 0, device=device)
+
+    @property
+    def placeable(self) -> bool:
+        """Whether the frequencies are known and each <= 1; decided at the first question (a read from
+        the device, which a CPU kernel asking is on)."""
+        if self._placeable is None:
+            self._placeable = self.frequencies is not None and bool((self.frequencies.abs() <= 1).all())
+        return self._placeable
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin at any positions, fractional ones too ([...] -> [..., D] fp32 each): RoPE's angles

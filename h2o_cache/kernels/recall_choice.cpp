@@ -249,20 +249,47 @@ inline uint64_t rank_key(float score, int64_t index) {
 
 inline int64_t key_index(uint64_t key) { return 0xFFFFFFFFu - static_cast<uint32_t>(key); }
 
+// keys[0..n) (`rank_key`s, all distinct) -> the indices of the k greatest, ascending, into out;
+// keys is reordered. Where n is large, every 8th key gives a threshold that lets about 2k of them
+// through; the k greatest are among those whenever at least k pass (else all n are selected from).
+void best_of_keys(std::vector<uint64_t>& keys, int64_t n, int64_t k, std::vector<uint64_t>& passed, int64_t* out) {
+    uint64_t* pool = keys.data();
+    int64_t size = n;
+    constexpr int64_t stride = 8;
+    if (n >= 4 * k && n >= 64) {
+        const int64_t m = n / stride, at = std::min<int64_t>(m - 1, 2 * k / stride);
+        passed.resize(std::max<int64_t>(n, m));
+        for (int64_t i = 0; i < m; ++i) passed[i] = keys[i * stride];
+        std::nth_element(passed.begin(), passed.begin() + at, passed.begin() + m, std::greater<uint64_t>());
+        const uint64_t threshold = passed[at];
+        int64_t count = 0;
+        for (int64_t i = 0; i < n; ++i) {  // no branch: every key written, the count moved by those that pass
+            passed[count] = keys[i];
+            count += keys[i] >= threshold;
+        }
+        if (count >= k) {
+            pool = passed.data();
+            size = count;
+        }
+    }
+    std::nth_element(pool, pool + (k - 1), pool + size, std::greater<uint64_t>());
+    for (int64_t i = 0; i < k; ++i) out[i] = key_index(pool[i]);
+    std::sort(out, out + k);
+}
+
 // The k indices of most score[0..n) (scores >= 0; ties: the lower index), ascending, into out.
-void best_of(const float* score, int64_t n, int64_t k, std::vector<uint64_t>& keys, int64_t* out) {
+void best_of(const float* score, int64_t n, int64_t k, std::vector<uint64_t>& keys, std::vector<uint64_t>& passed,
+             int64_t* out) {
     keys.resize(n);
     for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
-    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
-    for (int64_t i = 0; i < k; ++i) out[i] = key_index(keys[i]);
-    std::sort(out, out + k);
+    best_of_keys(keys, n, k, passed, out);
 }
 
 // Scratch of one thread: queries split into their parts, logits, masses, ranking keys.
 struct Scratch {
     std::vector<float> queries, logits, mass;
     std::vector<int64_t> best;
-    std::vector<uint64_t> keys;
+    std::vector<uint64_t> keys, passed;
 };
 
 // Queries g0 .. g1 of one head, into s.queries as [3][padded][D]: the queries, their positive parts,
@@ -329,7 +356,7 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, flo
     } else {
         s.mass.assign(N, 0.0f);
         bound_part(c, head, 0, c.group, s, s.mass.data());
-        best_of(s.mass.data(), N, C, s.keys, s.best.data());
+        best_of(s.mass.data(), N, C, s.keys, s.passed, s.best.data());
     }
     for (int64_t j = 0; j < C; ++j)
         for (int64_t i = 0; i < B; ++i) keys_out[j * B + i] = s.best[j] * B + i;
@@ -348,7 +375,13 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
     float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
     int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
     int32_t written = 0;
+    constexpr int64_t ahead = 4;  // the archive's rows are scattered and cold: fetched a few slots early
     for (int64_t j = 0; j < c.window; ++j) {
+        if (j + ahead < c.window && held[j + ahead] != tokens[j + ahead])
+            for (int64_t i = 0; i < D; i += 16) {
+                _mm_prefetch(reinterpret_cast<const char*>(keys + tokens[j + ahead] * D + i), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(values + tokens[j + ahead] * D + i), _MM_HINT_T0);
+            }
         if (held[j] == tokens[j]) continue;
         held[j] = tokens[j];
         ++written;
@@ -379,50 +412,69 @@ int choose(const Choice& c, int32_t* written) {
     if (c.positions <= 0 || (c.positions & mask) || r > n || r <= 0 || c.candidates > c.blocks || c.dim % 8 || c.length < r)
         return 1;
     const int threads = static_cast<int>(c.threads);
-    std::vector<int64_t> chosen(heads * r);
+    // kept between calls (fresh pages of these sizes would fault on every touch of every choice); the
+    // threads of a parallel region see the caller's through pointers (each has its own thread_local)
+    static thread_local std::vector<int64_t> chosen_store, candidates_store;
+    static thread_local std::vector<float> mass_store;
+    chosen_store.resize(heads * r);
+    int64_t* const chosen = chosen_store.data();
     if (K <= r) {  // the archive fills the window: every head takes all of it
         for (int64_t head = 0; head < heads; ++head)
-            std::iota(chosen.begin() + head * r, chosen.begin() + (head + 1) * r, 0);
+            std::iota(chosen + head * r, chosen + (head + 1) * r, 0);
     } else {
-        std::vector<int64_t> candidates(heads * K);
-        std::vector<float> mass(heads * K);
+        candidates_store.resize(heads * K);
+        mass_store.resize(heads * K);
+        int64_t* const candidates = candidates_store.data();
+        float* const mass = mass_store.data();
 #pragma omp parallel num_threads(threads)
         {
             Scratch scratch;
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head)
-                rank_head(c, head, scratch, candidates.data() + head * K, mass.data() + head * K);
+                rank_head(c, head, scratch, candidates + head * K, mass + head * K);
         }
-        // one thread, in head order: the votes' sums do not depend on the thread count
+        // one thread, in head order: the votes' sums do not depend on the thread count. votes and
+        // scores are zero between calls outside what a call writes, which it clears again.
         static thread_local std::vector<float> votes, scores;
         static thread_local std::vector<double> prefix;
-        votes.assign(c.positions, 0.0f);
-        for (int64_t head = 0; head < heads; ++head)
-            for (int64_t k = 0; k < K; ++k)
-                votes[c.origins[head * c.capacity + candidates[head * K + k]] & mask] += mass[head * K + k];
-        // scores[p] = votes[p] + the votes of positions max(0, p - span) .. min(P - 1, p + span), summed in fp64
-        prefix.resize(c.positions + 1);
-        scores.resize(c.positions);
-        prefix[0] = 0.0;
-        for (int64_t p = 0; p < c.positions; ++p) prefix[p + 1] = prefix[p] + votes[p];
-        for (int64_t p = 0; p < c.positions; ++p) {
-            const int64_t first = std::max<int64_t>(0, p - c.span), last = std::min<int64_t>(c.positions - 1, p + c.span);
-            scores[p] = votes[p] + static_cast<float>(prefix[last + 1] - prefix[first]);
+        if (static_cast<int64_t>(votes.size()) != c.positions) {
+            votes.assign(c.positions, 0.0f);
+            scores.assign(c.positions, 0.0f);
+            prefix.resize(c.positions + 1);
         }
+        int64_t low = c.positions, high = -1;  // the positions voted for lie in [low, high]
+        for (int64_t head = 0; head < heads; ++head)
+            for (int64_t k = 0; k < K; ++k) {
+                const int64_t p = c.origins[head * c.capacity + candidates[head * K + k]] & mask;
+                votes[p] += mass[head * K + k];
+                low = std::min(low, p);
+                high = std::max(high, p);
+            }
+        // scores[p] = votes[p] + the votes of positions max(0, p - span) .. min(P - 1, p + span), summed
+        // in fp64 by a running sum (prefix[i]: positions below i), which is 0 up to low and constant
+        // after high: positions beyond span of [low, high] keep score 0
+        prefix[low] = 0.0;
+        for (int64_t p = low; p <= high; ++p) prefix[p + 1] = prefix[p] + votes[p];
+        const auto running = [&](int64_t i) { return prefix[std::min(std::max(i, low), high + 1)]; };
+        const int64_t first = std::max<int64_t>(0, low - c.span), last = std::min<int64_t>(c.positions - 1, high + c.span);
+        for (int64_t p = first; p <= last; ++p)
+            scores[p] = votes[p] + static_cast<float>(running(std::min(c.positions - 1, p + c.span) + 1) -
+                                                      running(std::max<int64_t>(0, p - c.span)));
         const float* score_of = scores.data();
 #pragma omp parallel num_threads(threads)
         {
-            std::vector<float> score(n);
-            std::vector<uint64_t> keys;
+            std::vector<uint64_t> keys(n), passed;
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
-                for (int64_t t = 0; t < n; ++t) score[t] = score_of[origins[t] & mask];
-                best_of(score.data(), n, r, keys, chosen.data() + head * r);
+                for (int64_t t = 0; t < n; ++t) keys[t] = rank_key(score_of[origins[t] & mask], t);
+                best_of_keys(keys, n, r, passed, chosen + head * r);
             }
         }
+        std::fill(votes.begin() + low, votes.begin() + high + 1, 0.0f);
+        std::fill(scores.begin() + first, scores.begin() + last + 1, 0.0f);
     }
-    fill_all(c, chosen.data(), written);
+    fill_all(c, chosen, written);
     return 0;
 }
 
