@@ -113,8 +113,8 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
 @torch.no_grad()
 def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(None)) -> None:
     """Make the window of `layers` hold `chosen` ([L', H_kv, r] archive token indices, ascending, r
-    filling the window), rewriting only the slots whose token changed (a head whose choice keeps its
-    first tokens keeps their slots)."""
+    filling the window), rewriting only the slots whose token changed (`assign`: a token that stays
+    chosen stays in its slot)."""
     archive = cache.archives[row]
     first = layers.start or 0
     current = cache.windows[row]
@@ -122,6 +122,7 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
         current = (archive.epoch, torch.full((*archive.shape, chosen.shape[-1]), -1, dtype=torch.int64))
         cache.windows[row] = current
     held = current[1][layers]
+    chosen = assign(held, chosen)
     changed = held != chosen  # [L', H_kv, r]
     if not bool(changed.any()):
         return
@@ -140,6 +141,23 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
         cache._scores[at[0], row, at[1], at[2]] = 0.0
     held[changed] = chosen[changed]
     cache.recall_count[row] += len(slots)
+
+
+def assign(held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The tokens each window slot is to hold ([..., r] each: held, the slots' tokens now, -1 for
+    unknown; chosen, the tokens to hold, ascending): a slot whose token is still chosen keeps it, and
+    the chosen tokens it does not hold yet go to the other slots, both taken in ascending order (as
+    `kernels/recall_choice.cpp`'s `fill_head`). So a choice rewrites only the tokens that changed,
+    wherever they sit: a decode choice over a 2k-token archive keeps ~half of a head's tokens but,
+    compared slot by slot with the ascending list, only ~3% of its slots. The order of the window's
+    slots means nothing: each key is placed by its token's position in the text (`place`)."""
+    stays = (held[..., :, None] == chosen[..., None, :]).any(-1)  # [..., r]: the slot's token is chosen
+    new = ~(chosen[..., :, None] == held[..., None, :]).any(-1)  # [..., r]: the chosen token is not held
+    free = (~stays).to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # free slots first, ascending
+    incoming = new.to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # new tokens first, ascending
+    k = torch.arange(held.shape[-1], device=held.device)
+    tokens = torch.where(k < new.sum(-1, keepdim=True), chosen.gather(-1, incoming), held.gather(-1, free))
+    return held.scatter(-1, free, tokens)
 
 
 @torch.no_grad()

@@ -14,10 +14,10 @@
 // the vote of its original position modulo `positions`; each position's vote plus the votes of the
 // positions within `span` of it (summed in fp64, as `selection.span_votes`) scores every archived
 // token of every head, and each head takes its `window` tokens of most score (ties: the lower index),
-// in ascending order. Slot j of a head is rewritten only where its token differs from `held` (a
-// window that keeps its first tokens keeps their slots): key, value and origin copied from the
-// archive, the key rotated to where its token stood in the text among the row's own tokens (slots
-// window .. length - 1; `recall.text_positions`), score 0. A slot that keeps its token keeps its
+// in ascending order. A slot whose token `held` names is among them keeps it; the other slots take
+// the tokens not held yet (`recall.assign`): key, value and origin copied from the archive, the key
+// rotated to where its token stood in the text among the row's own tokens (slots window .. length - 1;
+// `recall.text_positions`), score 0. A slot that keeps its token keeps its
 // place: the own tokens have not moved since it was placed (an eviction places the whole window).
 #include <immintrin.h>
 #include <math.h>
@@ -364,46 +364,78 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, flo
     exact_part(c, head, 0, c.group, keys_out, K, s, mass_out);
 }
 
-// The window slots of one head whose token changed <- copies of the archive tokens `tokens` (keys
-// rotated to their places in the text, scores 0); returns how many were written.
-int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* tokens, int64_t* held) {
-    const int64_t D = c.dim, head = layer * c.heads + h;
+// One head's window <- the archive tokens `tokens` (ascending): a slot whose token is among them keeps
+// it; the others take the tokens not held yet, both in ascending order (`recall.assign`), as copies
+// (keys rotated to their places in the text, scores 0). mark: n zeros, left zero. Returns how many
+// slots were written.
+int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* tokens, int64_t* held,
+                  std::vector<uint8_t>& mark, std::vector<int64_t>& moves) {
+    const int64_t D = c.dim, head = layer * c.heads + h, r = c.window;
     const float* keys = c.keys + head * c.capacity * D;
     const float* values = c.values + head * c.capacity * D;
     const int64_t* origins = c.origins + head * c.capacity;
     const int64_t at = layer * c.kv_layer_stride + h * c.kv_head_stride;
     float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
     int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
-    int32_t written = 0;
+    // mark 1: chosen; 2: chosen and held (its slot keeps it)
+    for (int64_t j = 0; j < r; ++j) mark[tokens[j]] = 1;
+    moves.resize(2 * r);
+    int64_t* free = moves.data();
+    int64_t* incoming = free + r;
+    int64_t count = 0, fresh = 0;
+    for (int64_t j = 0; j < r; ++j) {
+        const int64_t t = held[j];
+        if (t >= 0 && t < c.capacity && mark[t] == 1) mark[t] = 2;
+        else free[count++] = j;
+    }
+    for (int64_t j = 0; j < r; ++j) {
+        if (mark[tokens[j]] == 1) incoming[fresh++] = tokens[j];
+        mark[tokens[j]] = 0;
+    }
+    if (fresh != count) return -1;  // held named a token twice: cannot happen, refused
     constexpr int64_t ahead = 4;  // the archive's rows are scattered and cold: fetched a few slots early
-    for (int64_t j = 0; j < c.window; ++j) {
-        if (j + ahead < c.window && held[j + ahead] != tokens[j + ahead])
-            for (int64_t i = 0; i < D; i += 16) {
-                _mm_prefetch(reinterpret_cast<const char*>(keys + tokens[j + ahead] * D + i), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(values + tokens[j + ahead] * D + i), _MM_HINT_T0);
+    for (int64_t i = 0; i < count; ++i) {
+        if (i + ahead < count)
+            for (int64_t d = 0; d < D; d += 16) {
+                _mm_prefetch(reinterpret_cast<const char*>(keys + incoming[i + ahead] * D + d), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(values + incoming[i + ahead] * D + d), _MM_HINT_T0);
             }
-        if (held[j] == tokens[j]) continue;
-        held[j] = tokens[j];
-        ++written;
-        const float* k = keys + tokens[j] * D;
+        const int64_t j = free[i], token = incoming[i];
+        held[j] = token;
+        const float* k = keys + token * D;
         memcpy(c.cache_keys + at + j * D, k, D * sizeof(float));
-        memcpy(c.cache_values + at + j * D, values + tokens[j] * D, D * sizeof(float));
-        const TextPosition place = text_position(cache_origins + c.window, c.length - c.window, origins[tokens[j]], c.window);
+        memcpy(c.cache_values + at + j * D, values + token * D, D * sizeof(float));
+        const TextPosition place = text_position(cache_origins + r, c.length - r, origins[token], r);
         rotate_placed(k, c.cos + place.slot * D, c.sin + place.slot * D, c.frequencies, place.share,
                       c.cache_rotated + at + j * D, D);
-        cache_origins[j] = origins[tokens[j]];
+        cache_origins[j] = origins[token];
         if (scores) scores[j] = 0.0f;
     }
-    return written;
+    return static_cast<int32_t>(count);
 }
 
-// Every head's window <- its `window` tokens of `chosen` ([heads][window]); written[head]: the slots
-// rewritten.
-void fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
+// Every head's window <- its `window` tokens of `chosen` ([heads][window], each ascending); written[head]:
+// the slots rewritten. Returns nonzero where a head's held tokens were not distinct (nothing is lost:
+// that head is left as it was).
+int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window;
-#pragma omp parallel for schedule(static) num_threads(static_cast<int>(c.threads))
-    for (int64_t head = 0; head < heads; ++head)
-        written[head] = fill_head(c, head / c.heads, head % c.heads, chosen + head * r, c.held + head * r);
+    int status = 0;
+#pragma omp parallel num_threads(static_cast<int>(c.threads))
+    {
+        std::vector<uint8_t> mark(c.capacity, 0);
+        std::vector<int64_t> moves;
+#pragma omp for schedule(static)
+        for (int64_t head = 0; head < heads; ++head) {
+            const int32_t count = fill_head(c, head / c.heads, head % c.heads, chosen + head * r, c.held + head * r,
+                                            mark, moves);
+            written[head] = std::max(count, 0);
+            if (count < 0) {
+#pragma omp atomic write
+                status = 3;
+            }
+        }
+    }
+    return status;
 }
 
 int choose(const Choice& c, int32_t* written) {
@@ -474,8 +506,7 @@ int choose(const Choice& c, int32_t* written) {
         std::fill(votes.begin() + low, votes.begin() + high + 1, 0.0f);
         std::fill(scores.begin() + first, scores.begin() + last + 1, 0.0f);
     }
-    fill_all(c, chosen, written);
-    return 0;
+    return fill_all(c, chosen, written);
 }
 
 // A prefill chunk's choice for the heads of a few layers (`Archive.select` without `everywhere`):
@@ -601,8 +632,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
             }
         }
     }
-    fill_all(c, chosen.data(), written);
-    return 0;
+    return fill_all(c, chosen.data(), written);
 }
 
 // The recall windows of a few rows (slots [0, recalled[i]) of row row_ids[i], which holds lengths[i]

@@ -87,10 +87,11 @@ def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, k
     window = kernel.windows[0][1]
     r, block = kernel.recalled[0], kernel.config.recall_block
     assert kernel.recall_count[0] > r  # the windows changed along the way
-    # whole blocks, ascending, in the chosen layers only: the other layers' windows were not touched
-    assert torch.equal(window[chosen].view(*window[chosen].shape[:2], -1, block) % block,
-                       torch.arange(block).expand(*window[chosen].shape[:2], r // block, block))
-    assert (window[chosen].diff(dim=-1) > 0).all()
+    # whole blocks, each in a run of slots of its own, each once, in the chosen layers only: the other
+    # layers' windows were not touched
+    runs = window[chosen].view(*window[chosen].shape[:2], -1, block)
+    assert torch.equal(runs % block, torch.arange(block).expand(*window[chosen].shape[:2], r // block, block))
+    assert (runs[..., 1:] - runs[..., :-1] == 1).all() and (window[chosen].sort(dim=-1).values.diff(dim=-1) > 0).all()
     untouched = torch.ones(window.shape[0], dtype=torch.bool)
     untouched[chosen] = False
     assert torch.equal(window[untouched], cache.windows[0][1][untouched])

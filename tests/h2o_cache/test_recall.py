@@ -93,7 +93,9 @@ def assert_window_holds_archive_tokens(model, cache, row: int) -> None:
     archive = cache.archives[row]
     epoch, held = cache.windows[row]
     assert epoch == archive.epoch and held.shape == (*archive.shape, r)
-    assert (held[..., 1:] > held[..., :-1]).all() and (held < archive.full_blocks * archive.block).all()
+    ordered = held.sort(dim=-1).values  # each token once, in any slot (`recall.assign`)
+    assert (ordered[..., 1:] > ordered[..., :-1]).all() and (held >= 0).all()
+    assert (held < archive.full_blocks * archive.block).all()
     stored = archive.state()
     for name in ("keys", "values", "origins"):
         index = held if stored[name].dim() == 3 else held[..., None].expand(-1, -1, -1, stored[name].shape[-1])
@@ -301,7 +303,7 @@ def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_wind
 
 def test_fill_rewrites_exactly_the_slots_whose_token_changed(peaked_model):
     """A slot is written only where its token changed, and the count is of the slots written (the
-    kernel's fill: `test_native_recall.py`)."""
+    kernel's fill: `test_native_recall.py`); a token that stays chosen stays in its slot."""
     needles = needles_of(peaked_model)
     cache = crafted(peaked_model, needles, torch.tensor([[1, 5], [3, 0]]))
     r = cache.recalled[0]
@@ -333,6 +335,13 @@ def test_fill_rewrites_exactly_the_slots_whose_token_changed(peaked_model):
     untouched, added = poisoned_fill(chosen.clone())
     assert untouched[0].all() and untouched[1, 0].all() and added == r // 2
     assert untouched[1, 1].tolist() == [False] * (r // 2) + [True] * (r // 2)
+    # It keeps block 6 and takes block 5 before it: 6 stays in its slots (a list compared slot by slot
+    # would differ everywhere), 5 goes to 9's.
+    chosen = cache.windows[0][1].clone()
+    chosen[1, 1] = tokens_of([5, 6])
+    untouched, added = poisoned_fill(chosen.clone())
+    assert untouched[1, 1].tolist() == [True] * (r // 2) + [False] * (r // 2) and added == r // 2
+    assert torch.equal(cache.windows[0][1][1, 1], tokens_of([6, 5]))
     # Renumbered blocks (epoch): every slot is rewritten, though the indices are the same.
     archive = cache.archives[0]
     archive.load_state(archive.state())
@@ -563,3 +572,22 @@ def test_recalled_tokens_take_places_that_read_with_the_row_s_own_tokens_in_the_
     in_place_order = origins.gather(-1, positions.argsort(dim=-1))
     assert (in_place_order[..., 1:] > in_place_order[..., :-1]).all()
     torch.testing.assert_close(placed.double(), text_order_positions(origins, r), rtol=0, atol=1e-6)
+
+
+def test_assign_keeps_every_token_still_chosen_in_its_slot_and_fills_the_rest():
+    """`recall.assign` over random windows (some slots unknown, -1): the slots then hold exactly the
+    chosen tokens; a slot whose token is still chosen keeps it; the others take the new tokens in
+    ascending order, into the free slots in ascending order; only as many slots change as tokens are new."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        r, n = 8, 20
+        held = torch.randperm(n, generator=generator)[:r]
+        held[torch.rand(r, generator=generator) < 0.2] = -1
+        chosen = torch.randperm(n, generator=generator)[:r].sort().values
+        assigned = recall.assign(held[None], chosen[None])[0]
+        assert sorted(assigned.tolist()) == chosen.tolist()
+        stays = torch.isin(held, chosen)
+        assert torch.equal(assigned[stays], held[stays])
+        new = chosen[~torch.isin(chosen, held)]
+        assert torch.equal(assigned[~stays], new)  # ascending tokens into ascending free slots
+        assert int((assigned != held).sum()) == len(new)
