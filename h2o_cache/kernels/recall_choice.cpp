@@ -324,8 +324,8 @@ void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& 
 }
 
 // Stage 2 for queries g0 .. g1 of one head: mass[k] += each query's softmax over the K candidate keys
-// (storage indices `keys_at`) of q.k * scaling (mass: K floats, not cleared). The queries must be
-// loaded (`load_queries`, the same range).
+// (storage indices `keys_at`; null: the first K) of q.k * scaling (mass: K floats, not cleared). The
+// queries must be loaded (`load_queries`, the same range).
 void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int64_t* keys_at, int64_t K,
                 Scratch& s, float* mass) {
     const int64_t B = c.block, D = c.dim, G = g1 - g0;
@@ -333,15 +333,19 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
     const uint16_t* keys = c.half + head * c.capacity * D;
     s.logits.resize((G + 3) / 4 * 4 * K);
     float* logits = s.logits.data();
-    // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
-    // two blocks before it is needed
-    constexpr int64_t ahead = 2;
-    score_items(G, K, K, logits, [&](int64_t g, int64_t k) {
-        if (k % B == 0 && k + ahead * B < K)
-            for (int64_t i = 0; i < B * D; i += 32)
-                _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
-        return dot4_half(keys + keys_at[k] * D, q + g * D, D);
-    });
+    if (!keys_at) {  // every key, in storage order: the hardware prefetcher follows
+        score_items(G, K, K, logits, [&](int64_t g, int64_t k) { return dot4_half(keys + k * D, q + g * D, D); });
+    } else {
+        // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
+        // two blocks before it is needed
+        constexpr int64_t ahead = 2;
+        score_items(G, K, K, logits, [&](int64_t g, int64_t k) {
+            if (k % B == 0 && k + ahead * B < K)
+                for (int64_t i = 0; i < B * D; i += 32)
+                    _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
+            return dot4_half(keys + keys_at[k] * D, q + g * D, D);
+        });
+    }
     for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass);
 }
 
@@ -361,7 +365,7 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, flo
     for (int64_t j = 0; j < C; ++j)
         for (int64_t i = 0; i < B; ++i) keys_out[j * B + i] = s.best[j] * B + i;
     std::fill(mass_out, mass_out + K, 0.0f);
-    exact_part(c, head, 0, c.group, keys_out, K, s, mass_out);
+    exact_part(c, head, 0, c.group, C == N ? nullptr : keys_out, K, s, mass_out);
 }
 
 // One head's window <- the archive tokens `tokens` (ascending): a slot whose token is among them keeps
@@ -380,13 +384,13 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
     // mark 1: chosen; 2: chosen and held (its slot keeps it)
     for (int64_t j = 0; j < r; ++j) mark[tokens[j]] = 1;
     moves.resize(2 * r);
-    int64_t* free = moves.data();
-    int64_t* incoming = free + r;
+    int64_t* freed = moves.data();
+    int64_t* incoming = freed + r;
     int64_t count = 0, fresh = 0;
     for (int64_t j = 0; j < r; ++j) {
         const int64_t t = held[j];
         if (t >= 0 && t < c.capacity && mark[t] == 1) mark[t] = 2;
-        else free[count++] = j;
+        else freed[count++] = j;
     }
     for (int64_t j = 0; j < r; ++j) {
         if (mark[tokens[j]] == 1) incoming[fresh++] = tokens[j];
@@ -400,7 +404,7 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
                 _mm_prefetch(reinterpret_cast<const char*>(keys + incoming[i + ahead] * D + d), _MM_HINT_T0);
                 _mm_prefetch(reinterpret_cast<const char*>(values + incoming[i + ahead] * D + d), _MM_HINT_T0);
             }
-        const int64_t j = free[i], token = incoming[i];
+        const int64_t j = freed[i], token = incoming[i];
         held[j] = token;
         const float* k = keys + token * D;
         memcpy(c.cache_keys + at + j * D, k, D * sizeof(float));
@@ -675,7 +679,8 @@ int place(const Placement& p) {
 extern "C" {
 
 // Choose and fill one row's recall window over all layers (see Choice); written: [L, H] int32, the
-// slots rewritten per head. Returns 0, or nonzero with nothing written for a shape it cannot run.
+// slots rewritten per head. Returns 0; 1 with nothing written for a shape it cannot run; 3 where a
+// head's `held` named a token twice (that head left as it was, the others filled; never by `fill`).
 int h2o_recall_choose(const Choice* choice, int32_t* written) { return choose(*choice, written); }
 
 // panel_product with a chosen instruction set (wide: AVX-512, where the CPU has it), for the tests;
