@@ -258,7 +258,7 @@ void best_of_keys(std::vector<uint64_t>& keys, int64_t n, int64_t k, std::vector
     constexpr int64_t stride = 8;
     if (n >= 4 * k && n >= 64) {
         const int64_t m = n / stride, at = std::min<int64_t>(m - 1, 2 * k / stride);
-        passed.resize(std::max<int64_t>(n, m));
+        passed.resize(n);  // the sample, then the keys that pass
         for (int64_t i = 0; i < m; ++i) passed[i] = keys[i * stride];
         std::nth_element(passed.begin(), passed.begin() + at, passed.begin() + m, std::greater<uint64_t>());
         const uint64_t threshold = passed[at];
@@ -370,8 +370,8 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, flo
 
 // One head's window <- the archive tokens `tokens` (ascending): a slot whose token is among them keeps
 // it; the others take the tokens not held yet, both in ascending order (`recall.assign`), as copies
-// (keys rotated to their places in the text, scores 0). mark: n zeros, left zero. Returns how many
-// slots were written.
+// (keys rotated to their places in the text, scores 0). mark: `capacity` zeros, left zero. Returns
+// how many slots were written, or -1 (nothing written) where `held` named a token twice.
 int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* tokens, int64_t* held,
                   std::vector<uint8_t>& mark, std::vector<int64_t>& moves) {
     const int64_t D = c.dim, head = layer * c.heads + h, r = c.window;
