@@ -61,7 +61,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     A model read from a GGUF file records its path as `model.gguf_path`: the CPU decode step reads
     the file's quantized matrices from it (`quantized.gguf_matrices`).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(model) if model else default_model_path()
@@ -73,12 +73,14 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf model")
-        kwargs = {"gguf_file": path.name}
+        # dequantized, always: the fast path reads plain weights (and the CPU step the file's own
+        # blocks); left to itself transformers may keep packed modules where a kernel is installed
+        kwargs, unpacked = {"gguf_file": path.name}, {"quantization_config": GgufConfig(dequantize=True)}
         gguf_path, path = path, path.parent
     else:
-        kwargs = {}
+        kwargs, unpacked = {}, {}
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs).to(torch_device).eval()
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs, **unpacked).to(torch_device).eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm.gguf_path = gguf_path
