@@ -42,6 +42,7 @@ class Engine:
         self.template = ChatTemplate.of(tokenizer) if render is None else \
             ChatTemplate(lambda messages, add_generation_prompt, tools: render(messages, add_generation_prompt), False)
         self.generator = Generator(model, tokenizer, cache_config)
+        self.generator.stream_decoder()  # builds the byte table now, not in the first request's time to first token
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.grammars = Grammars(tokenizer, self.vocab_size)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl, clock, config.max_archive_bytes)
