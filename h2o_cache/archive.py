@@ -252,7 +252,9 @@ class Archive:
         """
         lo, hi = self._digests()
         blocks = tokens // self.block
-        q = queries.float()
+        # on the host, where the archive is: a cache on a GPU sends its few queries down once rather
+        # than the digests and the candidates' keys up at every choice
+        q = queries.float().cpu()
         device = q.device
         mass = bound_mass(q, lo[layers].to(device), hi[layers].to(device), scaling).cpu()  # [L', H_kv, full blocks]
         candidates = top_blocks(mass, min(CANDIDATES * blocks, mass.shape[-1]))

@@ -39,6 +39,10 @@ from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable, unrotate
 from h2o_cache.transfer import upload
 
+# `H2OCache.due[row]`: the row's due choice is its reply's first, by the prompt's last queries (capped
+# choices, `CacheConfig.recall_choices`, serve these first)
+FIRST = 2
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -111,7 +115,8 @@ class H2OCache:
         self.recalled: list[int] = []
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
         self.recall_count: list[int] = []
-        self.due: list[bool] = []
+        self.due: list[int] = []  # 0, 1: a choice is due, FIRST: the reply's first (by its question)
+        self._choice_turn = 0  # with recall_choices: the row the next capped choice starts from
         self.decoded: list[int] = []  # decode passes since the row's last prefill chunk (with recall)
         self.ahead: list[torch.Tensor | None] = []  # the queries of the row's last prefill chunk (with recall)
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
@@ -138,7 +143,7 @@ class H2OCache:
         self.recalled += [0] * n
         self.windows += [None] * n
         self.recall_count += [0] * n
-        self.due += [False] * n
+        self.due += [0] * n
         self.decoded += [0] * n
         self.ahead += [None] * n
 
@@ -267,7 +272,7 @@ class H2OCache:
             for row in fed:
                 if n_new[row] > 1:
                     recall.grow(self, row)
-                    self.due[row] = False  # the chunk chooses, with its own queries or its previous chunk's
+                    self.due[row] = 0  # the chunk chooses, with its own queries or its previous chunk's
                     if self.config.recall_ahead:
                         if ahead is not None and ahead[row] and self.ahead[row] is not None:
                             recall.choose(self, row, self.ahead[row], self.spec.scaling, per_layer=True)
@@ -437,7 +442,7 @@ class H2OCache:
                 if n:
                     self.decoded[row] = self.decoded[row] + 1 if n == 1 else 0
                     k = self.decoded[row]
-                    self.due[row] = self.due[row] or k < burst or k % interval == 0
+                    self.due[row] = max(self.due[row], FIRST if k == 0 else int(k < burst or k % interval == 0))
 
     def over_budget(self) -> list[int]:
         """Rows holding more than their budget (plus their recall window)."""
@@ -455,11 +460,21 @@ class H2OCache:
     def choose_due(self, rows: list[int] | None = None) -> None:
         """Before a decode pass: every row of `rows` (default all) whose choice is due widens its window
         if it can and fills it with what its last decode queries point at (`recall.refresh`). A row
-        whose choice raises stays due; the rows before it have chosen."""
-        for row in range(self.batch_size) if rows is None else rows:
-            if self.due[row]:
-                recall.refresh(self, self._queries, self.spec.scaling, [row])
-                self.due[row] = False
+        whose choice raises stays due; the rows before it have chosen.
+
+        With `recall_choices` C, at most C rows choose: those whose due choice is their reply's first
+        (by the prompt's last queries, `FIRST`) first, then the others in turn from where the last capped pass
+        stopped; the rest stay due for the next pass."""
+        due = [row for row in (range(self.batch_size) if rows is None else rows) if self.due[row]]
+        cap = self.config.recall_choices
+        if cap is not None and len(due) > cap:
+            start = self._choice_turn % self.batch_size
+            due.sort(key=lambda row: (-self.due[row], (row - start) % self.batch_size))
+            due = due[:cap]
+            self._choice_turn = due[-1] + 1
+        for row in due:
+            recall.refresh(self, self._queries, self.spec.scaling, [row])
+            self.due[row] = 0
 
     def new_archive(self) -> Archive:
         spec, config = self.spec, self.config

@@ -44,6 +44,11 @@ class CacheConfig:
         before its pass, the window the previous chunk's queries choose, all layers in one choice
         (each layer's heads pooling alone), instead of choosing layer by layer with its own queries
         inside the pass; the tail always chooses with its own.
+    recall_choices: most rows that make their due decode-time choice before one decode pass; the
+        others stay due for the next (a reply's first choice, by its question, goes first; then the
+        rows in turn). None: every due row. A choice that runs on the host for a cache on a GPU costs
+        more than a whole batched step there (RESULTS.md, "The GPU path, run"), so a server on a GPU
+        caps it.
     recall_kernel: a decode step's choice over all layers runs in one C++ call on the CPU
         (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
     """
@@ -65,6 +70,7 @@ class CacheConfig:
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
+    recall_choices: int | None = None
     recall_kernel: bool = True
 
     def __post_init__(self) -> None:
@@ -87,6 +93,8 @@ class CacheConfig:
                 raise ValueError(f"recall_queries must be >= 1 or None, got {self.recall_queries}")
             if self.recall_span < 0:
                 raise ValueError(f"recall_span must be >= 0, got {self.recall_span}")
+            if self.recall_choices is not None and self.recall_choices < 1:
+                raise ValueError(f"recall_choices must be >= 1 or None, got {self.recall_choices}")
             if self.recall_burst < 0:
                 raise ValueError(f"recall_burst must be >= 0, got {self.recall_burst}")
         if self.recall_budget < 0:
@@ -159,6 +167,8 @@ class CacheConfig:
             return self.policy
         rolling = "rolling" if self.rolling else "no-rolling"
         recall = f", recall={self.recall_budget}" if self.recalls else ""
+        if self.recalls and self.recall_choices is not None:
+            recall += f", {self.recall_choices} choice{'s' if self.recall_choices > 1 else ''} per step"
         return (
             f"{self.policy}(budget={self.budget}, heavy={self.heavy}, recent={self.recent}, "
             f"sinks={self.sinks}, slack={self.slack}, {rolling}{recall})"

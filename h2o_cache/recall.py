@@ -50,9 +50,11 @@ def window_size(cache: H2OCache, row: int) -> int:
 
 
 @torch.no_grad()
-def grow(cache: H2OCache, row: int) -> bool:
+def grow(cache: H2OCache, row: int, fill_newest: bool = True) -> bool:
     """Widen the row's window to `window_size` (its own tokens move right, re-rotated); the new window
-    holds the archive's newest full blocks until queries choose. Returns whether it grew."""
+    holds the archive's newest full blocks until queries choose (fill_newest False: the caller's
+    choice follows at once and writes every slot, since a grown window holds no known token).
+    Returns whether it grew."""
     want, have = window_size(cache, row), cache.recalled[row]
     if want <= have:
         return False
@@ -68,11 +70,17 @@ def grow(cache: H2OCache, row: int) -> bool:
     cache._pinned[:, row, :, :want] = True
     cache.lengths[row] = n + shift
     cache.recalled[row] = want
-    archive = cache.archives[row]
-    newest = torch.arange(archive.full_blocks * archive.block - want, archive.full_blocks * archive.block)
     cache.windows[row] = None
-    fill(cache, row, newest.expand(*archive.shape, want))
+    if fill_newest:
+        newest_blocks(cache, row)
     return True
+
+
+def newest_blocks(cache: H2OCache, row: int) -> None:
+    """Fill the row's whole window with the archive's newest full blocks."""
+    archive, r = cache.archives[row], cache.recalled[row]
+    end = archive.full_blocks * archive.block
+    fill(cache, row, torch.arange(end - r, end).expand(*archive.shape, r))
 
 
 @torch.no_grad()
@@ -80,9 +88,14 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     """Between decode steps: widen the window of every row of `rows` (default all) that can grow, then
     fill it with what the row's queries ([L, B, H_q, D] before RoPE, one token per row) point at."""
     for row in range(cache.batch_size) if rows is None else rows:
-        grow(cache, row)
+        grown = grow(cache, row, fill_newest=False)  # the choice below writes every slot of a grown window
         if cache.recalled[row]:
-            choose(cache, row, queries[:, row, :, None], scaling, everywhere=True)
+            try:
+                choose(cache, row, queries[:, row, :, None], scaling, everywhere=True)
+            except Exception:
+                if grown:
+                    newest_blocks(cache, row)
+                raise
 
 
 @torch.no_grad()
@@ -151,13 +164,20 @@ def assign(held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     wherever they sit: a decode choice over a 2k-token archive keeps ~half of a head's tokens but,
     compared slot by slot with the ascending list, only ~3% of its slots. The order of the window's
     slots means nothing: each key is placed by its token's position in the text (`place`)."""
-    stays = (held[..., :, None] == chosen[..., None, :]).any(-1)  # [..., r]: the slot's token is chosen
-    new = ~(chosen[..., :, None] == held[..., None, :]).any(-1)  # [..., r]: the chosen token is not held
+    stays = _within(held, chosen)  # [..., r]: the slot's token is chosen
+    new = ~_within(chosen, held.sort(dim=-1).values)  # [..., r]: the chosen token is not held
     free = (~stays).to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # free slots first, ascending
     incoming = new.to(torch.int8).argsort(dim=-1, descending=True, stable=True)  # new tokens first, ascending
     k = torch.arange(held.shape[-1], device=held.device)
     tokens = torch.where(k < new.sum(-1, keepdim=True), chosen.gather(-1, incoming), held.gather(-1, free))
     return held.scatter(-1, free, tokens)
+
+
+def _within(values: torch.Tensor, ascending: torch.Tensor) -> torch.Tensor:
+    """Per head ([..., r] each), whether each of `values` is among `ascending` (sorted per head): a
+    binary search per value, rather than comparing every pair."""
+    at = torch.searchsorted(ascending.contiguous(), values.contiguous()).clamp_(max=ascending.shape[-1] - 1)
+    return ascending.gather(-1, at) == values
 
 
 @torch.no_grad()

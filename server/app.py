@@ -42,7 +42,7 @@ def build_engine(settings: ServerSettings) -> Engine:
         log.warning("--prefill-dtype int8 needs a GGUF model on the CPU and the compiled kernel: prefill stays float32")
     # Only the `full` policy is bounded by the model's context; evicting policies roll positions.
     context_window = getattr(model.config, "max_position_embeddings", None)
-    cache_config = settings.cache_config()
+    cache_config = settings.cache_config(next(model.parameters()).device.type)
     engine = Engine(model, tokenizer, cache_config, settings.engine_config(context_window))
     engine.start()
     log.info("model %s ready: %s", model_name(settings.model), cache_config.describe())

@@ -110,6 +110,11 @@ class ServerSettings(BaseSettings):
         16, ge=1, le=4096, description="decode steps between two choices of each conversation's recall window by "
                                        "its latest queries after --recall-burst (every prefill chunk chooses with "
                                        "its own)")
+    recall_choices: int | None = Field(
+        None, ge=1, le=65536, description="most conversations that choose their recall window by their latest queries "
+                                          "before one decode step; the others wait for the next (a reply's first choice, "
+                                          "by its question, goes first); unset: all on the CPU, 1 on a GPU, where a "
+                                          "choice runs on the host and costs more than a batched step (RESULTS.md)")
     recall_queries: int | None = Field(
         None, ge=1, le=65536, description="most queries per head of a prefill chunk that choose its recall window, "
                                           "evenly spaced; unset: all of them (16 of 64: prefill 1.35x recall-off "
@@ -179,14 +184,17 @@ class ServerSettings(BaseSettings):
             return self.prefill_chunk
         return max(1, self.kv_budget // 2) if self.recall else DEFAULT_PREFILL_CHUNK
 
-    def cache_config(self) -> CacheConfig:
+    def cache_config(self, device: str = "cpu") -> CacheConfig:
+        """The caches' settings for a model on `device` (the type: "cpu", "cuda"), which sets
+        --recall-choices' default."""
+        choices = self.recall_choices if self.recall_choices is not None else (1 if device == "cuda" else None)
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
                            position_rolling=self.position_rolling, prefill_chunk=self.chunk,
                            recall_budget=self.recall, recall_block=self.recall_block,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
-                           recall_queries=self.recall_queries, recall_ahead=self.recall_ahead)
+                           recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

@@ -66,6 +66,11 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
 
 def test_prompts_are_fed_in_half_budget_chunks_with_recall_and_256_without_unless_told():
     assert parse().cache_config().prefill_chunk == 128  # budget 256, recall on
+    # capped decode-time choices: none on the CPU, one per step on a GPU, unless --recall-choices says
+    assert parse().cache_config().recall_choices is None and parse().cache_config("cuda").recall_choices == 1
+    assert parse("--recall-choices", "4").cache_config("cuda").recall_choices == 4
+    assert parse("--recall-choices", "4").cache_config().recall_choices == 4
+    assert "1 choice per step" in parse().cache_config("cuda").describe()
     assert parse("--kv-budget", "1024").cache_config().prefill_chunk == 512
     assert parse("--recall-budget", "0").cache_config().prefill_chunk == 256
     assert parse("--policy", "full").cache_config().prefill_chunk == 256
