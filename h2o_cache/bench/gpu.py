@@ -123,13 +123,44 @@ def agreement(model, tokenizer, config, steps: int, reference) -> list[list[str]
             for i in range(len(prompts))]
 
 
+def sampled(pid: int, out: Path, wait: float = 3.0, seconds: int = 5) -> None:
+    """py-spy (if installed) samples process `pid` for `seconds` after `wait`, without stopping it:
+    raw stacks into `out`, and the functions the busiest thread spent the most samples in, printed."""
+    import shutil
+    from collections import Counter
+
+    if shutil.which("py-spy") is None:
+        print("py-spy is not installed: no profile", file=sys.stderr, flush=True)
+        return
+    time.sleep(wait)
+    subprocess.run(["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "200", "--nonblocking", "--threads",
+                    "-f", "raw", "-o", str(out)], capture_output=True, timeout=seconds + 60)
+    if not out.exists():
+        return
+    threads, functions = Counter(), Counter()
+    stacks = [(line.rpartition(" ")[0].split(";"), int(line.rpartition(" ")[2]))
+              for line in out.read_text().splitlines() if line.strip()]
+    for frames, count in stacks:
+        threads[frames[0]] += count
+    busiest = threads.most_common(1)[0][0] if threads else ""
+    for frames, count in stacks:
+        if frames[0] == busiest:
+            for name in {frame.split(" (")[0] for frame in frames[1:]}:
+                functions[name] += count
+    total = sum(threads.values())
+    print(f"py-spy, {out.name}: {busiest} in {threads[busiest]} of {total} samples; most inclusive:", flush=True)
+    for name, count in functions.most_common(25):
+        print(f"  {count:6d}  {name}", flush=True)
+
+
 def served(flags: str, streams: list[int], turns: int, model: str | None, max_tokens: int, log: Path,
-           timeout: float) -> list[list[str]]:
+           timeout: float, profile: bool = False) -> list[list[str]]:
     """One `python -m server` with `flags` on top of the defaults, loaded by `clients.loadbench` at each
     count of `streams` in turn, `turns` turns per stream (the first turn pays the cold start, the later
     ones run over the history the first left: evictions, recall). Rows per count and turn: aggregate
     tok/s of the whole run, then per turn the streams' median decode tok/s and time to first token,
-    and the mean decode step over the run (the server's /metrics)."""
+    and the mean decode step over the run (the server's /metrics). profile: py-spy samples the server
+    for 5 s of its largest count (`sampled`)."""
     import urllib.request
     from socket import socket
 
@@ -157,12 +188,16 @@ def served(flags: str, streams: list[int], turns: int, model: str | None, max_to
             for n in streams:
                 summary = Path(tmp) / f"load{n}.json"
                 before = steps() if rows else (0.0, 0.0)
+                load = subprocess.Popen([sys.executable, "-m", "clients.loadbench", "--base-url", url, "--sessions",
+                                         str(n), "--turns", str(turns), "--max-tokens", str(max_tokens), "--ignore-eos",
+                                         "--wait", str(int(timeout)), "--quiet", "--json", str(summary)],
+                                        cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+                if profile and n == max(streams):
+                    sampled(server.pid, Path(f"{log}.{'-'.join(flags.split()) or 'defaults'}.{n}.spy"))
                 try:
-                    subprocess.run([sys.executable, "-m", "clients.loadbench", "--base-url", url, "--sessions", str(n),
-                                    "--turns", str(turns), "--max-tokens", str(max_tokens), "--ignore-eos",
-                                    "--wait", str(int(timeout)), "--quiet", "--json", str(summary)],
-                                   cwd=REPO_ROOT, check=False, stdout=subprocess.DEVNULL, timeout=timeout)
+                    load.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
+                    load.kill()
                     print(f"loadbench at {n} streams timed out after {timeout:.0f} s", file=sys.stderr, flush=True)
                 if not summary.exists():
                     rows.append([f"server {flags or '(defaults)'}, {n} streams", "", "no result", ""])
@@ -201,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", nargs="+", default=["", "--recall-budget 0"],
                         help="server flags to compare, one string each ('' = the defaults)")
     parser.add_argument("--skip-server", action="store_true", help="measure the library only")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy (carried in, if absent) samples each server at its largest stream count")
     parser.add_argument("--skip-tests", action="store_true", help="leave out the pytest files (run them apart)")
     parser.add_argument("--timeout", type=float, default=180, help="seconds allowed to each pytest file and each server run")
     parser.add_argument("--log", default="gpu_bench.log", help="the tests' and the servers' whole output")
@@ -248,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         for flags in args.servers:
             stage(f"server {flags}", lambda flags=flags: served(flags, args.streams, args.turns, args.model,
-                                                              args.max_tokens, log, args.timeout))
+                                                              args.max_tokens, log, args.timeout, args.profile))
     if not args.skip_tests:
         stage("CUDA tests", lambda: [["CUDA tests", "tests/h2o_cache/test_cuda.py",
                                       *tests("tests/h2o_cache/test_cuda.py", log, args.timeout)]])
