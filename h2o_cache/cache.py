@@ -39,8 +39,8 @@ from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable, unrotate
 from h2o_cache.transfer import upload
 
-# `H2OCache.due[row]`: the row's due choice is its reply's first, by the prompt's last queries (capped
-# choices, `CacheConfig.recall_choices`, serve these first)
+# `H2OCache.due[row]`: the row's due choice is its reply's first, due since its prompt (capped choices,
+# `CacheConfig.recall_choices`, serve these first; one kept waiting chooses by the latest queries)
 FIRST = 2
 
 
@@ -463,8 +463,8 @@ class H2OCache:
         whose choice raises stays due; the rows before it have chosen.
 
         With `recall_choices` C, at most C rows choose: those whose due choice is their reply's first
-        (by the prompt's last queries, `FIRST`) first, then the others in turn from where the last capped pass
-        stopped; the rest stay due for the next pass."""
+        (`FIRST`) first, then the others in turn from where the last capped pass stopped; the rest stay
+        due for the next pass, and choose by the queries of the step before it."""
         due = [row for row in (range(self.batch_size) if rows is None else rows) if self.due[row]]
         cap = self.config.recall_choices
         if cap is not None and len(due) > cap:
