@@ -32,6 +32,9 @@ class Lockstep:
     eager: list[list[int]]  # per row, the tokens the transformers path chose
     fast: list[list[int]]
     worst: list[float]  # per row, max |fast - eager| / max |eager| over the steps they agreed
+    # per row, where the paths first chose differently: the eager logit of its token less that of the
+    # fast path's, over max |eager| (0: an exact tie); None while they agree
+    margin: list[float | None]
 
 
 def lockstep(gen: Generator, decoder: StaticDecoder, prompts: list[list[int]], steps: int) -> Lockstep:
@@ -43,13 +46,16 @@ def lockstep(gen: Generator, decoder: StaticDecoder, prompts: list[list[int]], s
         row.pending = [[prompt[-1]]]
         eager.extend(row)
         decoder.cache.extend(row)
-    out = Lockstep([[] for _ in prompts], [[] for _ in prompts], [0.0] * len(prompts))
+    out = Lockstep([[] for _ in prompts], [[] for _ in prompts], [0.0] * len(prompts), [None] * len(prompts))
     for _ in range(steps):
         expected, logits = gen.step(eager, eager.pending), decoder.step()
         error = ((logits - expected).abs().amax(dim=-1) / expected.abs().amax(dim=-1)).tolist()
         for row, (e, f) in enumerate(zip(expected.argmax(dim=-1).tolist(), logits.argmax(dim=-1).tolist())):
             if out.eager[row] == out.fast[row]:
                 out.worst[row] = max(out.worst[row], error[row])
+                if e != f:
+                    scores = expected[row].float()
+                    out.margin[row] = float((scores[e] - scores[f]) / scores.abs().max())
             out.eager[row].append(e)
             out.fast[row].append(f)
         eager.pending = [[tokens[-1]] for tokens in out.eager]
