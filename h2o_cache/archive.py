@@ -255,20 +255,19 @@ class Archive:
         # on the host, where the archive is: a cache on a GPU sends its few queries down once rather
         # than the digests and the candidates' keys up at every choice
         q = queries.float().cpu()
-        device = q.device
-        mass = bound_mass(q, lo[layers].to(device), hi[layers].to(device), scaling).cpu()  # [L', H_kv, full blocks]
+        mass = bound_mass(q, lo[layers], hi[layers], scaling)  # [L', H_kv, full blocks]
         candidates = top_blocks(mass, min(CANDIDATES * blocks, mass.shape[-1]))
         if candidates.shape[-1] > blocks:
             origins, = self.gather(candidates, layers, ("origins",))  # [L', H_kv, wanted * block]
             ranked = self._half if self._ranks_copies() else self._data["keys"]  # 16-bit keys
             keys = _gather(ranked[layers], block_tokens(candidates, self.block))  # [..., D]
-            mass = token_mass(q, keys.to(device).float(), scaling)
+            mass = token_mass(q, keys.float(), scaling)
             if everywhere:
-                votes = span_votes(position_votes(mass, origins.to(device), POSITIONS), span).cpu()
+                votes = span_votes(position_votes(mass, origins, POSITIONS), span)
                 full = lo.shape[2] * self.block
                 return top_blocks(token_votes(votes, self._data["origins"][layers, :, :full]), tokens).sort(dim=-1).values
-            mass = pool_by_position(mass, origins.to(device), POSITIONS, per_layer)
-            candidates = top_blocks(block_mass(mass, self.block).cpu(), blocks, candidates)
+            mass = pool_by_position(mass, origins, POSITIONS, per_layer)
+            candidates = top_blocks(block_mass(mass, self.block), blocks, candidates)
         return block_tokens(candidates.sort(dim=-1).values, self.block)
 
     def storage(self) -> dict[str, torch.Tensor]:
