@@ -46,7 +46,7 @@ class _Choice(ctypes.Structure):
                    ("score_head_stride", ctypes.c_int64), ("cache_origins", ctypes.c_void_p),
                    ("origin_layer_stride", ctypes.c_int64), ("origin_head_stride", ctypes.c_int64),
                    ("held", ctypes.c_void_p), ("frequencies", ctypes.c_void_p), ("length", ctypes.c_int64),
-                   ("half", ctypes.c_void_p)])
+                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("chosen_out", ctypes.c_void_p)])
 
 
 class _Placement(ctypes.Structure):
@@ -69,6 +69,32 @@ def supports(cache) -> bool:
             and spec.rope.placeable and kernel() is not None)
 
 
+def ranks(cache) -> bool:
+    """Whether the kernel is to make this cache's choices whatever its device and dtype, the window
+    then filled by `recall.fill` where the cache lives (`chosen`): asked for, the archive in host
+    memory ranking by 16-bit keys the kernel reads (an fp32 archive's fp16 copies, or an fp16 or bf16
+    archive's own keys), head_dim a multiple of 8, and the kernel built. The choice reads only the
+    archive and the queries, which the host has; on a GPU this takes a row's choice from ~40 torch ops
+    on small host tensors to one multi-threaded call."""
+    spec = cache.spec
+    return (cache.config.recall_kernel and spec.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and spec.head_dim % 8 == 0 and kernel() is not None)
+
+
+@torch.no_grad()
+def chosen(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool) -> torch.Tensor:
+    """What `Archive.select` returns for the row's archive (everywhere: over all layers, tokens pooled
+    with their neighbours within `recall_span`, as `choose`; else by whole blocks for the contiguous
+    `layers`, as `choose_blocks`), made by the kernel: [L', H_kv, recalled[row]] int64 archive token
+    indices, ascending per head, on the host. Nothing of the cache is read or written."""
+    archive = cache.archives[row]
+    first, end, _ = layers.indices(archive.shape[0])
+    out = torch.empty(end - first, archive.shape[1], cache.recalled[row], dtype=torch.int64)
+    function = kernel().h2o_recall_choose if everywhere else kernel().h2o_recall_choose_blocks
+    _run(function, cache, row, queries, scaling, layers, cache.config.recall_span if everywhere else 0, out)
+    return out
+
+
 @torch.no_grad()
 def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int) -> None:
     """`recall.choose(cache, row, ..., everywhere=True)`: fill the row's window (r = recalled[row] slots
@@ -86,8 +112,10 @@ def choose_blocks(cache, row: int, queries: torch.Tensor, scaling: float, layers
     _run(kernel().h2o_recall_choose_blocks, cache, row, queries, scaling, layers, 0)
 
 
-def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int) -> None:
-    """Call a choice of the kernel on the row's archive and window, for the layers `layers`."""
+def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
+         out: torch.Tensor | None = None) -> None:
+    """Call a choice of the kernel on the row's archive and window, for the layers `layers` (out: the
+    chosen tokens go there instead, and the window is not touched)."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()
@@ -95,39 +123,47 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
     first, end, step = layers.indices(all_layers)
     if step != 1 or end <= first:
         raise ValueError(f"the recall kernel chooses for a contiguous range of layers, not {layers}")
-    current = cache.windows[row]
-    if current is None or current[0] != archive.epoch or current[1].shape[-1] != r:
-        current = (archive.epoch, torch.full((all_layers, heads, r), -1, dtype=torch.int64))
-        cache.windows[row] = current
-    held = current[1][first:end]
-    queries = queries.to(torch.float32).contiguous()
-    n = cache.lengths[row]
-    cos, sin = (t.contiguous() for t in cache.spec.rope.get(n))
-    buffers = cache.buffers()
-    keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
+    queries = queries.to(torch.float32).cpu().contiguous()
     written = torch.zeros(end - first, heads, dtype=torch.int32)
     blocks = r // archive.block
+    ranked = storage["half"] if archive.dtype == torch.float32 else storage["keys"]  # 16-bit keys
     choice = _Choice(
         layers=end - first, heads=heads, dim=archive.head_dim, group=queries.shape[2], blocks=archive.full_blocks,
         block=archive.block, capacity=storage["keys"].shape[2], digest_capacity=storage["lo"].shape[2],
         window=r, candidates=min(CANDIDATES * blocks, archive.full_blocks), span=span,
         positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
         queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
-        keys=storage["keys"][first].data_ptr(), values=storage["values"][first].data_ptr(),
-        origins=storage["origins"][first].data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-        cache_keys=keys[first, row].data_ptr(), cache_rotated=buffers.rotated[first, row].data_ptr(),
-        cache_values=buffers.values[first, row].data_ptr(), kv_layer_stride=keys.stride(0),
-        kv_head_stride=keys.stride(2),
-        cache_scores=None if scores is None else scores[first, row].data_ptr(),
-        score_layer_stride=0 if scores is None else scores.stride(0),
-        score_head_stride=0 if scores is None else scores.stride(2),
-        cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
-        origin_head_stride=origins.stride(2), held=held.data_ptr(),
-        frequencies=cache.spec.rope.frequencies.data_ptr(), length=n, half=storage["half"][first].data_ptr())
+        origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
+        half_bf16=int(archive.dtype == torch.bfloat16))
+    if out is not None:
+        choice.chosen_out = out.data_ptr()
+    else:
+        current = cache.windows[row]
+        if current is None or current[0] != archive.epoch or current[1].shape[-1] != r:
+            current = (archive.epoch, torch.full((all_layers, heads, r), -1, dtype=torch.int64))
+            cache.windows[row] = current
+        held = current[1][first:end]
+        cos, sin = (t.contiguous() for t in cache.spec.rope.get(cache.lengths[row]))
+        buffers = cache.buffers()
+        keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
+        for name, value in dict(
+                keys=storage["keys"][first].data_ptr(), values=storage["values"][first].data_ptr(),
+                cos=cos.data_ptr(), sin=sin.data_ptr(),
+                cache_keys=keys[first, row].data_ptr(), cache_rotated=buffers.rotated[first, row].data_ptr(),
+                cache_values=buffers.values[first, row].data_ptr(), kv_layer_stride=keys.stride(0),
+                kv_head_stride=keys.stride(2),
+                cache_scores=None if scores is None else scores[first, row].data_ptr(),
+                score_layer_stride=0 if scores is None else scores.stride(0),
+                score_head_stride=0 if scores is None else scores.stride(2),
+                cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
+                origin_head_stride=origins.stride(2), held=held.data_ptr(),
+                frequencies=cache.spec.rope.frequencies.data_ptr()).items():
+            setattr(choice, name, value)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
-    cache.recall_count[row] += int(written.sum())
+    if out is None:
+        cache.recall_count[row] += int(written.sum())
 
 
 @torch.no_grad()

@@ -104,7 +104,9 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     """Fill the row's window in `layers` with the archived tokens `queries` ([L', H_q, Q, D] before
     RoPE, the row's queries of those layers) would attend to most (`Archive.select`, its `everywhere`
     and `per_layer` as given), per KV head. On the CPU a decode step's choice over all layers, and a
-    prefill chunk's for its layers, run in one kernel call each (`native_recall`) where it can."""
+    prefill chunk's for its layers, run in one kernel call each (`native_recall`) where it can; on
+    another device or dtype the kernel still makes the choice (the archive is host memory) and `fill`
+    writes the window where it lives."""
     r = cache.recalled[row]
     if not r:
         return
@@ -112,14 +114,17 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     group = queries.shape[1] // spec.num_kv_heads
     # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
     grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
-    if native_recall.supports(cache):
-        if everywhere and layers == slice(None):
+    kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
+    if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
+        if everywhere:
             native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
-            return
-        if not everywhere and not per_layer and (layers.step or 1) == 1:
+        else:
             native_recall.choose_blocks(cache, row, grouped, scaling, layers)
-            return
-    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
+        return
+    if kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
+        chosen = native_recall.chosen(cache, row, grouped, scaling, layers, everywhere)
+    else:
+        chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
     fill(cache, row, chosen, layers)
 
 

@@ -79,6 +79,8 @@ class StaticDecoder:
             if packed:
                 self.quantized_weights = decoder_weights(model, packed)
         self.config = config
+        if config.recalls and config.recall_kernel:
+            kernel()  # the recall choices' (on any device): built now, not during a request's first choice
         self.max_rows = max_rows
         self.buckets = buckets(max_rows)
         device = self.spec.device

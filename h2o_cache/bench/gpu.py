@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", nargs="+", default=["", "--recall-budget 0"],
                         help="server flags to compare, one string each ('' = the defaults)")
     parser.add_argument("--skip-server", action="store_true", help="measure the library only")
+    parser.add_argument("--skip-library", action="store_true", help="leave out the fast step and the agreement")
     parser.add_argument("--profile", action="store_true",
                         help="py-spy (carried in, if absent) samples each server at its largest stream count")
     parser.add_argument("--skip-tests", action="store_true", help="leave out the pytest files (run them apart)")
@@ -250,20 +251,21 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load(args)
     config = CacheConfig(policy="h2o", budget=args.budget)
     name = f"{torch.cuda.get_device_name()}, {model.dtype}"
-    stage("fast step", lambda: ([f"fast step, batch {bucket}", name, f"{ms:.2f} ms", f"{bucket / ms * 1e3:.0f} tok/s"]
-                                for bucket, ms in step_times(model, tokenizer, config, args.max_rows, args.steps)))
+    if not args.skip_library:
+        stage("fast step", lambda: ([f"fast step, batch {bucket}", name, f"{ms:.2f} ms", f"{bucket / ms * 1e3:.0f} tok/s"]
+                                    for bucket, ms in step_times(model, tokenizer, config, args.max_rows, args.steps)))
 
-    def agree():
-        from h2o_cache import load_model
+        def agree():
+            from h2o_cache import load_model
 
-        reference, _ = load_model(args.model, device="cuda", dtype="float32")
-        try:
-            return agreement(model, tokenizer, config, args.steps, reference)
-        finally:
-            del reference
-            torch.cuda.empty_cache()
+            reference, _ = load_model(args.model, device="cuda", dtype="float32")
+            try:
+                return agreement(model, tokenizer, config, args.steps, reference)
+            finally:
+                del reference
+                torch.cuda.empty_cache()
 
-    stage("bf16 agreement", agree)
+        stage("bf16 agreement", agree)
     if not args.skip_server:
         del model
         torch.cuda.empty_cache()

@@ -57,15 +57,25 @@ struct Choice {
     int64_t* held;         // [L, H, window] in/out: the archive token each slot holds (-1: unknown)
     const float* frequencies;  // [D / 2], RoPE's, each <= 1
     int64_t length;        // the row's slots: its own tokens are window .. length - 1
-    const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in fp16, for ranking
+    const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in 16 bits, for ranking
+    int64_t half_bf16;     // half holds bf16 (a bf16 archive ranks by its own keys), else fp16
+    int64_t* chosen_out;   // nullable: [L, H, window] <- the chosen tokens (ascending per head), and
+                           // nothing else written (the cache's buffers, cos, sin, frequencies, keys,
+                           // values and held are not read: a window on a device is filled there)
 };
 
-// out[g] = a . q[g] for g < 4 (a: d fp16 values, widened exactly to fp32; q: 4 rows of d floats; d a
-// multiple of 8): one pass over a, four accumulators reduced together.
-inline __m128 dot4_half(const uint16_t* a, const float* q, int64_t d) {
+// 8 16-bit values (fp16, or bf16 where bf16) widened exactly to fp32.
+inline __m256 load8_16(const uint16_t* a, bool bf16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)) : _mm256_cvtph_ps(raw);
+}
+
+// out[g] = a . q[g] for g < 4 (a: d fp16 or bf16 values, widened exactly to fp32; q: 4 rows of d floats;
+// d a multiple of 8): one pass over a, four accumulators reduced together.
+inline __m128 dot4_half(const uint16_t* a, const float* q, int64_t d, bool bf16) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (int64_t i = 0; i < d; i += 8) {
-        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i)));
+        const __m256 x = load8_16(a + i, bf16);
         s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + i), s0);
         s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + d + i), s1);
         s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + 2 * d + i), s2);
@@ -224,18 +234,24 @@ void panel_product(const float* q, int64_t G, int64_t depth, const float* panel,
     (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
 }
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return _cvtsh_ss(x); }
+inline float widen(float x, bool) { return x; }
+inline float widen(uint16_t x, bool bf16) {
+    if (!bf16) return _cvtsh_ss(x);
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 // Rows offset .. offset + width of the tiles (`panel_product`, `depth` rows each) <- n items, item j's
-// values at rows(j) (width floats, or fp16 widened); the panel must be zeroed first (past the last
-// item it stays 0).
+// values at rows(j) (width floats, or fp16 / bf16 (bf16 true) widened); the panel must be zeroed first
+// (past the last item it stays 0).
 template <class Row>
-void pack_tiles(int64_t n, int64_t width, int64_t depth, int64_t offset, Row rows, float* panel) {
+void pack_tiles(int64_t n, int64_t width, int64_t depth, int64_t offset, Row rows, float* panel, bool bf16 = false) {
     for (int64_t j = 0; j < n; ++j) {
         const auto* row = rows(j);
         float* column = panel + (j / TILE) * depth * TILE + offset * TILE + j % TILE;
-        for (int64_t d = 0; d < width; ++d) column[d * TILE] = widen(row[d]);
+        for (int64_t d = 0; d < width; ++d) column[d * TILE] = widen(row[d], bf16);
     }
 }
 
@@ -331,10 +347,11 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
     const int64_t B = c.block, D = c.dim, G = g1 - g0;
     const float* q = s.queries.data();
     const uint16_t* keys = c.half + head * c.capacity * D;
+    const bool bf16 = c.half_bf16;
     s.logits.resize((G + 3) / 4 * 4 * K);
     float* logits = s.logits.data();
     if (!keys_at) {  // every key, in storage order: the hardware prefetcher follows
-        score_items(G, K, K, logits, [&](int64_t g, int64_t k) { return dot4_half(keys + k * D, q + g * D, D); });
+        score_items(G, K, K, logits, [&](int64_t g, int64_t k) { return dot4_half(keys + k * D, q + g * D, D, bf16); });
     } else {
         // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
         // two blocks before it is needed
@@ -343,7 +360,7 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
             if (k % B == 0 && k + ahead * B < K)
                 for (int64_t i = 0; i < B * D; i += 32)
                     _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
-            return dot4_half(keys + keys_at[k] * D, q + g * D, D);
+            return dot4_half(keys + keys_at[k] * D, q + g * D, D, bf16);
         });
     }
     for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass);
@@ -442,6 +459,15 @@ int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
     return status;
 }
 
+// The choice made: into chosen_out where it is given (written left as it is), else into the window.
+int finish(const Choice& c, const int64_t* chosen, int32_t* written) {
+    if (c.chosen_out) {
+        memcpy(c.chosen_out, chosen, c.layers * c.heads * c.window * sizeof(int64_t));
+        return 0;
+    }
+    return fill_all(c, chosen, written);
+}
+
 int choose(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, n = c.blocks * B;
     const int64_t K = c.candidates * B, mask = c.positions - 1;
@@ -510,7 +536,7 @@ int choose(const Choice& c, int32_t* written) {
         std::fill(votes.begin() + low, votes.begin() + high + 1, 0.0f);
         std::fill(scores.begin() + first, scores.begin() + last + 1, 0.0f);
     }
-    return fill_all(c, chosen, written);
+    return finish(c, chosen, written);
 }
 
 // A prefill chunk's choice for the heads of a few layers (`Archive.select` without `everywhere`):
@@ -599,7 +625,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 float* panel = panels.data() + head * key_size;  // the digests' panel is spent
                 std::fill(panel, panel + key_size, 0.0f);
                 const uint16_t* stored = c.half + head * c.capacity * D;
-                pack_tiles(K, D, D, 0, [&](int64_t k) { return stored + at[k] * D; }, panel);
+                pack_tiles(K, D, D, 0, [&](int64_t k) { return stored + at[k] * D; }, panel, c.half_bf16);
             }
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < tasks; ++task) stage(task, false, key_size, key_tiles, K, q, logits);
@@ -636,7 +662,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
             }
         }
     }
-    return fill_all(c, chosen.data(), written);
+    return finish(c, chosen.data(), written);
 }
 
 // The recall windows of a few rows (slots [0, recalled[i]) of row row_ids[i], which holds lengths[i]

@@ -186,3 +186,61 @@ def test_replies_are_the_same_with_the_kernel_and_with_the_torch_ops():
         windows.append(cache.windows[0][1])
     assert replies[0] == replies[1]
     assert torch.equal(windows[0], windows[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_kernel_chooses_for_a_cache_it_cannot_fill_as_the_torch_ops_do(dtype):
+    """A 16-bit cache (as on a GPU): the kernel cannot write its window, but it still makes the choice
+    from the archive in host memory, ranking by the archive's own 16-bit keys (`native_recall.ranks`),
+    and `recall.fill` writes it. Decode-time choices over all layers and a prefill chunk's by whole
+    blocks hold the same tokens in the same slots, with the same copies, as the torch ops' choices."""
+    model = tiny_llama(heads=8, kv_heads=2, init_std=0.3).to(dtype)
+    gen, cache = conversation(model)
+    if kernel() is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    with_kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
+    assert native_recall.ranks(with_kernel) and not native_recall.supports(with_kernel)
+    assert not native_recall.ranks(torch_ops)
+    generator = torch.Generator().manual_seed(2)
+    spec = cache.spec
+    chunk = torch.randn(1, spec.num_heads, 12, spec.head_dim, generator=generator)
+    for noise in (0.0, 1.0, 4.0):
+        asked = (cache._queries.float() + noise * torch.randn(cache._queries.shape, generator=generator)).to(dtype)
+        for copy in (with_kernel, torch_ops):
+            recall.refresh(copy, asked, spec.scaling, [0])
+        assert torch.equal(with_kernel.windows[0][1], torch_ops.windows[0][1])
+        asked = chunk + noise * torch.randn(chunk.shape, generator=generator)
+        for copy in (with_kernel, torch_ops):
+            recall.choose(copy, 0, asked, spec.scaling, slice(1, 2))
+        assert torch.equal(with_kernel.windows[0][1], torch_ops.windows[0][1])
+        a, b = row_state(with_kernel, 0), row_state(torch_ops, 0)
+        for name in ("keys", "values", "origins", "scores", "pinned", "rotated"):
+            assert torch.equal(a[name], b[name]), name
+    assert with_kernel.recall_count == torch_ops.recall_count and with_kernel.recall_count[0] > 2 * cache.recalled[0]
+    # the slots hold copies of the archived tokens the window names
+    held, r = with_kernel.windows[0][1], with_kernel.recalled[0]
+    layers, heads = torch.meshgrid(torch.arange(held.shape[0]), torch.arange(held.shape[1]), indexing="ij")
+    keys, values = with_kernel.archives[0].gather_heads(layers.flatten(), heads.flatten(), held.flatten(0, 1))[:2]
+    state = row_state(with_kernel, 0)
+    assert torch.equal(state["keys"][:, :, :r], keys.view(*held.shape, -1))
+    assert torch.equal(state["values"][:, :, :r], values.view(*held.shape, -1))
+
+
+def test_the_kernels_choice_into_a_tensor_leaves_the_window_alone():
+    """`native_recall.chosen` on an fp32 cache: the same tokens the kernel's own fill puts in the window
+    (as a set per head), and nothing of the cache written."""
+    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3)
+    gen, cache = conversation(model)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    before = row_state(cache, 0)
+    windows, count = cache.windows[0][1].clone(), list(cache.recall_count)
+    queries = cache._queries[:, 0, :, None]
+    grouped = queries.reshape(queries.shape[0], cache.spec.num_kv_heads, -1, cache.spec.head_dim)
+    tokens = native_recall.chosen(cache, 0, grouped, cache.spec.scaling, slice(None), everywhere=True)
+    after = row_state(cache, 0)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert torch.equal(cache.windows[0][1], windows) and cache.recall_count == count
+    recall.refresh(cache, cache._queries, cache.spec.scaling, [0])
+    assert torch.equal(cache.windows[0][1].sort(dim=-1).values, tokens)
+    assert (tokens.diff(dim=-1) > 0).all()
