@@ -27,6 +27,7 @@ import ctypes
 
 import torch
 
+from h2o_cache import recall
 from h2o_cache.archive import CANDIDATES, POSITIONS
 from h2o_cache.quantized import kernel
 
@@ -46,7 +47,7 @@ class _Choice(ctypes.Structure):
                    ("score_head_stride", ctypes.c_int64), ("cache_origins", ctypes.c_void_p),
                    ("origin_layer_stride", ctypes.c_int64), ("origin_head_stride", ctypes.c_int64),
                    ("held", ctypes.c_void_p), ("frequencies", ctypes.c_void_p), ("length", ctypes.c_int64),
-                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("chosen_out", ctypes.c_void_p)])
+                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64)])
 
 
 class _Placement(ctypes.Structure):
@@ -82,17 +83,13 @@ def ranks(cache) -> bool:
 
 
 @torch.no_grad()
-def chosen(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool) -> torch.Tensor:
-    """What `Archive.select` returns for the row's archive (everywhere: over all layers, tokens pooled
-    with their neighbours within `recall_span`, as `choose`; else by whole blocks for the contiguous
-    `layers`, as `choose_blocks`), made by the kernel: [L', H_kv, recalled[row]] int64 archive token
-    indices, ascending per head, on the host. Nothing of the cache is read or written."""
-    archive = cache.archives[row]
-    first, end, _ = layers.indices(archive.shape[0])
-    out = torch.empty(end - first, archive.shape[1], cache.recalled[row], dtype=torch.int64)
+def assign(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool) -> None:
+    """Make the choice of `choose` (everywhere: over all layers) or `choose_blocks` (else, for the
+    contiguous `layers`) and write only which slot takes which token into the row's `recall.held`
+    (a slot whose token stays chosen keeps it), not the window itself: `recall.write` copies the
+    tokens of the slots that changed to where the window lives."""
     function = kernel().h2o_recall_choose if everywhere else kernel().h2o_recall_choose_blocks
-    _run(function, cache, row, queries, scaling, layers, cache.config.recall_span if everywhere else 0, out)
-    return out
+    _run(function, cache, row, queries, scaling, layers, cache.config.recall_span if everywhere else 0, window=False)
 
 
 @torch.no_grad()
@@ -113,9 +110,9 @@ def choose_blocks(cache, row: int, queries: torch.Tensor, scaling: float, layers
 
 
 def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
-         out: torch.Tensor | None = None) -> None:
-    """Call a choice of the kernel on the row's archive and window, for the layers `layers` (out: the
-    chosen tokens go there instead, and the window is not touched)."""
+         window: bool = True) -> None:
+    """Call a choice of the kernel on the row's archive and window, for the layers `layers` (window
+    False: only the row's `recall.held` is written)."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()
@@ -135,14 +132,8 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
         queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
         half_bf16=int(archive.dtype == torch.bfloat16))
-    if out is not None:
-        choice.chosen_out = out.data_ptr()
-    else:
-        current = cache.windows[row]
-        if current is None or current[0] != archive.epoch or current[1].shape[-1] != r:
-            current = (archive.epoch, torch.full((all_layers, heads, r), -1, dtype=torch.int64))
-            cache.windows[row] = current
-        held = current[1][first:end]
+    choice.held = recall.held(cache, row)[first:end].data_ptr()  # a view: contiguous, as the layers are
+    if window:
         cos, sin = (t.contiguous() for t in cache.spec.rope.get(cache.lengths[row]))
         buffers = cache.buffers()
         keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
@@ -156,13 +147,13 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
                 score_layer_stride=0 if scores is None else scores.stride(0),
                 score_head_stride=0 if scores is None else scores.stride(2),
                 cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
-                origin_head_stride=origins.stride(2), held=held.data_ptr(),
+                origin_head_stride=origins.stride(2),
                 frequencies=cache.spec.rope.frequencies.data_ptr()).items():
             setattr(choice, name, value)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
-    if out is None:
+    if window:
         cache.recall_count[row] += int(written.sum())
 
 

@@ -122,10 +122,23 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
             native_recall.choose_blocks(cache, row, grouped, scaling, layers)
         return
     if kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
-        chosen = native_recall.chosen(cache, row, grouped, scaling, layers, everywhere)
-    else:
-        chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
+        before = held(cache, row)[layers].clone()
+        native_recall.assign(cache, row, grouped, scaling, layers, everywhere)
+        write(cache, row, before, layers)
+        return
+    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
     fill(cache, row, chosen, layers)
+
+
+def held(cache: H2OCache, row: int) -> torch.Tensor:
+    """[L, H_kv, recalled[row]] int64 on the host: the archive token each window slot holds (-1: not
+    known, as after the archive dropped blocks or the window grew)."""
+    archive, r = cache.archives[row], cache.recalled[row]
+    current = cache.windows[row]
+    if current is None or current[0] != archive.epoch or current[1].shape[-1] != r:
+        current = (archive.epoch, torch.full((*archive.shape, r), -1, dtype=torch.int64))
+        cache.windows[row] = current
+    return current[1]
 
 
 @torch.no_grad()
@@ -133,31 +146,37 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
     """Make the window of `layers` hold `chosen` ([L', H_kv, r] archive token indices, ascending, r
     filling the window), rewriting only the slots whose token changed (`assign`: a token that stays
     chosen stays in its slot)."""
-    archive = cache.archives[row]
-    first = layers.start or 0
-    current = cache.windows[row]
-    if current is None or current[0] != archive.epoch:
-        current = (archive.epoch, torch.full((*archive.shape, chosen.shape[-1]), -1, dtype=torch.int64))
-        cache.windows[row] = current
-    held = current[1][layers]
-    chosen = assign(held, chosen)
-    changed = held != chosen  # [L', H_kv, r]
-    if not bool(changed.any()):
+    window = held(cache, row)[layers]
+    before = window.clone()
+    window.copy_(assign(before, chosen))
+    write(cache, row, before, layers)
+
+
+@torch.no_grad()
+def write(cache: H2OCache, row: int, before: torch.Tensor, layers: slice = slice(None)) -> None:
+    """Copy into the window of `layers` the archived tokens of the slots whose token `held` names now
+    and did not in `before` ([L', H_kv, r]): keys, values, origins, keys rotated to where their tokens
+    stood in the text among the row's own tokens, scores 0. One upload of the indices and origins and
+    one of the keys and values (non-blocking: no wait for the device's queued work) on a device."""
+    now = held(cache, row)[layers]
+    layer_ids, head_ids, slots = (now != before).nonzero(as_tuple=True)
+    if not len(slots):
         return
-    layer_ids, head_ids, slots = changed.nonzero(as_tuple=True)
-    tokens = chosen[layer_ids, head_ids, slots]
-    keys, values, origins = archive.gather_heads(layer_ids + first, head_ids, tokens[:, None], ("keys", "values", "origins"))
+    tokens = now[layer_ids, head_ids, slots]
+    layer_ids = layer_ids + (layers.start or 0)
+    keys, values, origins = cache.archives[row].gather_heads(layer_ids, head_ids, tokens[:, None], ("keys", "values", "origins"))
     device = cache.spec.device
-    at = (layer_ids + first).to(device), head_ids.to(device), slots.to(device)
-    keys = keys[:, 0].to(device)
-    cache._keys[at[0], row, at[1], at[2]] = keys
-    cache._values[at[0], row, at[1], at[2]] = values[:, 0].to(device)
-    cache._origins[at[0], row, at[1], at[2]] = origins[:, 0].to(device)
-    cos, sin = cache.spec.rope.at(window_positions(cache, row, layers)[at[0] - first, at[1], at[2]])
-    cache._rotated[at[0], row, at[1], at[2]] = rotate(keys.float(), cos, sin).to(keys.dtype)
+    at = torch.stack([layer_ids, head_ids, slots, origins[:, 0]]).to(device, non_blocking=True)
+    copied = torch.stack([keys[:, 0], values[:, 0]]).to(device, cache._keys.dtype, non_blocking=True)
+    layer, head, slot, origin = at
+    cache._keys[layer, row, head, slot] = copied[0]
+    cache._values[layer, row, head, slot] = copied[1]
+    cache._origins[layer, row, head, slot] = origin
+    r, n = cache.recalled[row], cache.lengths[row]
+    cos, sin = cache.spec.rope.at(text_positions(origin[:, None], cache._origins[layer, row, head, r:n], r)[:, 0])
+    cache._rotated[layer, row, head, slot] = rotate(copied[0].float(), cos, sin).to(copied.dtype)
     if cache._scores is not None:
-        cache._scores[at[0], row, at[1], at[2]] = 0.0
-    held[changed] = chosen[changed]
+        cache._scores[layer, row, head, slot] = 0.0
     cache.recall_count[row] += len(slots)
 
 

@@ -59,10 +59,9 @@ struct Choice {
     int64_t length;        // the row's slots: its own tokens are window .. length - 1
     const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in 16 bits, for ranking
     int64_t half_bf16;     // half holds bf16 (a bf16 archive ranks by its own keys), else fp16
-    int64_t* chosen_out;   // nullable: [L, H, window] <- the chosen tokens (ascending per head), and
-                           // nothing else written (the cache's buffers, cos, sin, frequencies, keys,
-                           // values and held are not read: a window on a device is filled there)
 };
+// cache_keys null: only `held` and `written` are written, and cos, sin, frequencies, keys, values and
+// the cache's pointers are not read (a window on a device: the slots that changed are copied there).
 
 // 8 16-bit values (fp16, or bf16 where bf16) widened exactly to fp32.
 inline __m256 load8_16(const uint16_t* a, bool bf16) {
@@ -387,17 +386,13 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* keys_out, flo
 
 // One head's window <- the archive tokens `tokens` (ascending): a slot whose token is among them keeps
 // it; the others take the tokens not held yet, both in ascending order (`recall.assign`), as copies
-// (keys rotated to their places in the text, scores 0). mark: `capacity` zeros, left zero. Returns
+// (keys rotated to their places in the text, scores 0; with cache_keys null, `held` alone is
+// written). mark: `capacity` zeros, left zero. Returns
 // how many slots were written, or -1 (nothing written) where `held` named a token twice.
 int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* tokens, int64_t* held,
                   std::vector<uint8_t>& mark, std::vector<int64_t>& moves) {
     const int64_t D = c.dim, head = layer * c.heads + h, r = c.window;
-    const float* keys = c.keys + head * c.capacity * D;
-    const float* values = c.values + head * c.capacity * D;
     const int64_t* origins = c.origins + head * c.capacity;
-    const int64_t at = layer * c.kv_layer_stride + h * c.kv_head_stride;
-    float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
-    int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
     // mark 1: chosen; 2: chosen and held (its slot keeps it)
     for (int64_t j = 0; j < r; ++j) mark[tokens[j]] = 1;
     moves.resize(2 * r);
@@ -414,6 +409,15 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
         mark[tokens[j]] = 0;
     }
     if (fresh != count) return -1;  // held named a token twice: cannot happen, refused
+    if (!c.cache_keys) {  // the window lives elsewhere: only which slot takes which token
+        for (int64_t i = 0; i < count; ++i) held[freed[i]] = incoming[i];
+        return static_cast<int32_t>(count);
+    }
+    const float* keys = c.keys + head * c.capacity * D;
+    const float* values = c.values + head * c.capacity * D;
+    const int64_t at = layer * c.kv_layer_stride + h * c.kv_head_stride;
+    float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
+    int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
     constexpr int64_t ahead = 4;  // the archive's rows are scattered and cold: fetched a few slots early
     for (int64_t i = 0; i < count; ++i) {
         if (i + ahead < count)
@@ -457,15 +461,6 @@ int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
         }
     }
     return status;
-}
-
-// The choice made: into chosen_out where it is given (written left as it is), else into the window.
-int finish(const Choice& c, const int64_t* chosen, int32_t* written) {
-    if (c.chosen_out) {
-        memcpy(c.chosen_out, chosen, c.layers * c.heads * c.window * sizeof(int64_t));
-        return 0;
-    }
-    return fill_all(c, chosen, written);
 }
 
 int choose(const Choice& c, int32_t* written) {
@@ -536,7 +531,7 @@ int choose(const Choice& c, int32_t* written) {
         std::fill(votes.begin() + low, votes.begin() + high + 1, 0.0f);
         std::fill(scores.begin() + first, scores.begin() + last + 1, 0.0f);
     }
-    return finish(c, chosen, written);
+    return fill_all(c, chosen, written);
 }
 
 // A prefill chunk's choice for the heads of a few layers (`Archive.select` without `everywhere`):
@@ -662,7 +657,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
             }
         }
     }
-    return finish(c, chosen.data(), written);
+    return fill_all(c, chosen.data(), written);
 }
 
 // The recall windows of a few rows (slots [0, recalled[i]) of row row_ids[i], which holds lengths[i]

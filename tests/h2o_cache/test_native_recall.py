@@ -226,21 +226,23 @@ def test_the_kernel_chooses_for_a_cache_it_cannot_fill_as_the_torch_ops_do(dtype
     assert torch.equal(state["values"][:, :, :r], values.view(*held.shape, -1))
 
 
-def test_the_kernels_choice_into_a_tensor_leaves_the_window_alone():
-    """`native_recall.chosen` on an fp32 cache: the same tokens the kernel's own fill puts in the window
-    (as a set per head), and nothing of the cache written."""
+def test_the_kernels_assignment_alone_names_the_slots_its_fill_writes_and_writes_nothing_else():
+    """`native_recall.assign` (the choice for a window elsewhere) on an fp32 cache: which slot takes
+    which token is what the kernel's own fill puts there, and nothing of the cache is written."""
     model = tiny_llama(heads=4, kv_heads=2, init_std=0.3)
     gen, cache = conversation(model)
     if not native_recall.supports(cache):
         pytest.skip("no C++ compiler: the recall kernel is not built")
-    before = row_state(cache, 0)
-    windows, count = cache.windows[0][1].clone(), list(cache.recall_count)
-    queries = cache._queries[:, 0, :, None]
-    grouped = queries.reshape(queries.shape[0], cache.spec.num_kv_heads, -1, cache.spec.head_dim)
-    tokens = native_recall.chosen(cache, 0, grouped, cache.spec.scaling, slice(None), everywhere=True)
-    after = row_state(cache, 0)
-    assert all(torch.equal(before[name], after[name]) for name in before)
-    assert torch.equal(cache.windows[0][1], windows) and cache.recall_count == count
-    recall.refresh(cache, cache._queries, cache.spec.scaling, [0])
-    assert torch.equal(cache.windows[0][1].sort(dim=-1).values, tokens)
-    assert (tokens.diff(dim=-1) > 0).all()
+    filled = twin(gen, cache)
+    generator = torch.Generator().manual_seed(3)
+    for noise in (0.0, 2.0):
+        asked = cache._queries + noise * torch.randn(cache._queries.shape, generator=generator)
+        before, count = row_state(cache, 0), list(cache.recall_count)
+        queries = asked[:, 0, :, None]
+        grouped = queries.reshape(queries.shape[0], cache.spec.num_kv_heads, -1, cache.spec.head_dim)
+        native_recall.assign(cache, 0, grouped, cache.spec.scaling, slice(None), everywhere=True)
+        after = row_state(cache, 0)
+        assert all(torch.equal(before[name], after[name]) for name in before) and cache.recall_count == count
+        recall.refresh(filled, asked, filled.spec.scaling, [0])
+        assert torch.equal(cache.windows[0][1], filled.windows[0][1])
+    assert filled.recall_count[0] > count[0]
