@@ -665,3 +665,28 @@ def test_a_grown_window_is_wholly_rewritten_by_the_choice_that_follows(peaked_mo
         assert_nothing_lost_or_held_twice(cache, 0)
         assert (cache.windows[0][1] >= 0).all()
     assert len(set(sizes)) >= 4 and sizes[-1] == 64  # it grew at several decode-time choices
+
+
+def test_placing_rows_together_places_each_as_alone():
+    """The torch ops place the windows of all the rows of the same window and length in one go (an
+    eviction cuts its rows to the same length), rows 0 and 2 of three here, not adjacent: each row's
+    window keys come out as placing it alone puts them, and row 1 is untouched."""
+    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3)
+    gen = Generator(model, ByteTokenizer())
+    rows = gen.new_cache(0, recall_config(recall_kernel=False))
+    for seed in (4, 5, 6):
+        row = gen.new_cache(1, recall_config(recall_kernel=False))
+        gen.prefill(row, [random_tokens(220, seed=seed)], recall=True)
+        rows.extend(row)
+    assert rows.recalled[0] == rows.recalled[2] > 0 and rows.lengths[0] == rows.lengths[2]
+    rotated = rows.buffers().rotated
+    for row in (0, 2):
+        rotated[:, row, :, :rows.recalled[row]] = 0.0
+        recall.place(rows, [row])
+    alone, before = rotated.clone(), rotated.clone()
+    for row in range(3):
+        rotated[:, row, :, :rows.recalled[row]] = 0.0
+    recall.place(rows, [0, 2])
+    assert torch.equal(rotated[:, [0, 2]], alone[:, [0, 2]])
+    assert (rotated[:, 1, :, :rows.recalled[1]] == 0).all() and torch.equal(rotated[:, 1, :, rows.recalled[1]:], before[:, 1, :, rows.recalled[1]:])
+    assert_window_holds_archive_tokens(model, rows, 0)
