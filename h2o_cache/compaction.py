@@ -159,23 +159,40 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
     kept = torch.zeros(shape, dtype=torch.bool, device=spec.device).scatter_(3, index, True)
     dropped = ~kept & (slots < lengths[:, None, None])
     order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)  # dropped slots first, ascending
-    fields = []  # per row: keys, values, scores (None without), origins of its dropped tokens
-    layers, rows_capacity, heads, capacity, _ = cache._keys.shape
+    # rows dropping as many tokens (an eviction cuts its rows to the same length) are taken together:
+    # on a GPU a few launches per group, not per row
+    groups: dict[int, list[int]] = {}
     for i, (row, n) in enumerate(zip(rows, keep)):
-        gone = order[:, i, :, :cache.lengths[row] - n]  # [L, H, m]
+        groups.setdefault(cache.lengths[row] - n, []).append(i)
+    fields = []  # per group: keys, values, scores (None without), origins of its rows' dropped tokens
+    layers, rows_capacity, heads, capacity, _ = cache._keys.shape
+    for m, members in groups.items():
+        picked = [rows[i] for i in members]
+        at = _span(members) or upload(members, spec.device)  # the group's places in this eviction
+        ids = _span(picked) or upload(picked, spec.device)
+        row_ids = torch.arange(ids.start, ids.stop, device=spec.device) if isinstance(ids, slice) else ids
+        gone = order[:, at, :, :m]  # [L, g, H, m]
         # (l, row, h) starts at vector ((l * R + row) * H + h) * capacity: whole vectors, no expanded index
-        starts = ((torch.arange(layers, device=spec.device)[:, None, None] * rows_capacity + row) * heads
-                  + torch.arange(heads, device=spec.device)[:, None]) * capacity
+        starts = ((torch.arange(layers, device=spec.device)[:, None, None] * rows_capacity + row_ids[:, None]) * heads
+                  + torch.arange(heads, device=spec.device)) * capacity
+        starts = starts[..., None]
         fields.append((take_vectors(cache._keys, starts, gone), take_vectors(cache._values, starts, gone),
-                       cache._scores[:, row].gather(2, gone) if cache._scores is not None else None,
-                       cache._origins[:, row].gather(2, gone)))
+                       cache._scores[:, ids].gather(3, gone) if cache._scores is not None else None,
+                       cache._origins[:, ids].gather(3, gone)))
     copied = None
     if spec.device.type == "cuda":
         fields, copied = download(fields)
-    for row, row_fields in zip(rows, fields):
-        if cache.archives[row] is None:
-            cache.archives[row] = cache.new_archive()
-        cache.archives[row].append(*row_fields, copied=copied)
+    for members, group_fields in zip(groups.values(), fields):
+        for j, i in enumerate(members):
+            row = rows[i]
+            if cache.archives[row] is None:
+                cache.archives[row] = cache.new_archive()
+            cache.archives[row].append(*(None if f is None else f[:, j] for f in group_fields), copied=copied)
+
+
+def _span(values: list[int]) -> slice | None:
+    """The slice of consecutive ascending `values` (indexing by it copies nothing), else None."""
+    return slice(values[0], values[-1] + 1) if values == list(range(values[0], values[-1] + 1)) else None
 
 
 class _Dropping(ctypes.Structure):

@@ -162,18 +162,22 @@ def test_a_kept_eviction_scratch_changes_nothing_but_allocations(tiny_model, mon
     CacheConfig(policy="h2o", budget=12, evict_slack=2, position_rolling=False),
     CacheConfig(policy="streaming", budget=10),
 ], ids=["recall", "h2o", "no-rolling", "streaming"])
-def test_the_native_compaction_moves_and_rotates_as_the_torch_ops_bit_for_bit(tiny_model, monkeypatch, config):
+@pytest.mark.parametrize("lockstep", [False, True], ids=["apart", "rows-0-and-2-in-lockstep"])
+def test_the_native_compaction_moves_and_rotates_as_the_torch_ops_bit_for_bit(tiny_model, monkeypatch, config, lockstep):
     """On the CPU in fp32 an eviction's kept vectors move and rotate in one C++ call, what it drops goes
     to the archive in one call per row, and the archive's blocks are formed in one call; the same rows
     fed the same tokens on the torch path (`move_kept`, `archive`, `Archive._digests`) end with the
     same buffers and archives (tokens, order, digests), bit for bit, whichever rows cross the budget
-    together (non-contiguous rows, a recall window kept in place)."""
+    together (non-contiguous rows, a recall window kept in place; in lockstep, rows 0 and 2 drop as
+    many tokens at once, which the torch path takes together, and row 1 sometimes another count)."""
     spec = model_spec(tiny_model)
     assert spec.head_dim % 16 == 0 and compaction.native_compaction(H2OCache(spec, config, rows=1))
     native, torch_ops = H2OCache(spec, config, rows=3), H2OCache(spec, config, rows=3)
     gen = torch.Generator().manual_seed(11)
     for step in range(30):
         n_new = [1 + (step + 2 * row) % 3 for row in range(3)]
+        if lockstep:
+            n_new = [1 + step % 3, 1 + step % 2, 1 + step % 3]
         ids = torch.randint(3, 128, (3, max(n_new)), generator=gen)
         forward(tiny_model, native, ids, n_new)
         with monkeypatch.context() as patch:
