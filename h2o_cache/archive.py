@@ -31,6 +31,8 @@ next read or written (`land`), by which time the copy has long finished.
 from __future__ import annotations
 
 import ctypes
+import functools
+import sys
 
 import torch
 
@@ -154,12 +156,12 @@ class Archive:
         capacity = -(-capacity // self.block) * self.block
         self.land()
         head, d, blocks = self.shape, self.head_dim, capacity // self.block
-        new = {"keys": torch.empty(*head, capacity, d, dtype=self.dtype),
-               "values": torch.empty(*head, capacity, d, dtype=self.dtype),
-               "scores": torch.empty(*head, capacity, dtype=torch.float32),
-               "origins": torch.empty(*head, capacity, dtype=torch.int64)}
-        lo, hi = torch.empty(*head, blocks, d), torch.empty(*head, blocks, d)
-        half = torch.empty(*head, capacity if self._ranks_copies() else 0, d, dtype=torch.float16)
+        new = {"keys": _storage(*head, capacity, d, dtype=self.dtype),
+               "values": _storage(*head, capacity, d, dtype=self.dtype),
+               "scores": _storage(*head, capacity, dtype=torch.float32),
+               "origins": _storage(*head, capacity, dtype=torch.int64)}
+        lo, hi = _storage(*head, blocks, d), _storage(*head, blocks, d)
+        half = _storage(*head, capacity if self._ranks_copies() else 0, d, dtype=torch.float16)
         if self._data:
             for name, buffer in new.items():
                 buffer[:, :, :self.stored] = self._data[name][:, :, :self.stored]
@@ -339,6 +341,36 @@ class Archive:
         self.append(*(state[name] for name in _FIELDS))
         if "blocked" in state and self.stored:
             self._digest(0, int(state["blocked"][0]))
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _storage(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`torch.empty` for the archive's storage, asking Linux to back it with 2 MB pages
+    (MADV_HUGEPAGE; without effect where transparent huge pages are off). Each eviction writes a few
+    tokens per head into parts of the storage never touched before, one page fault per 4 KB page of
+    every head's run: on a 2-core VM these faults took 1.05 ms of a row's 1.1 ms archiving per eviction
+    (0.10 ms with the pages already touched; 2k history, batch 8)."""
+    tensor = torch.empty(*shape, dtype=dtype)
+    libc = _libc()
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if libc is not None and last > first:
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE)  # advice: failure is harmless
+    return tensor
 
 
 class _Forming(ctypes.Structure):
