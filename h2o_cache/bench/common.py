@@ -18,7 +18,9 @@ def data_path(name: str) -> Path:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct); 'random': "
+                             "random weights in the default model's shapes (speed only, where the GGUF cannot go)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are compared on 2)")
@@ -40,9 +42,33 @@ def load(args: argparse.Namespace):
     from h2o_cache.prefill_products import apply_prefill_dtype
 
     torch.set_num_threads(args.threads)
+    if args.model == "random":
+        return random_default_shapes(args.device, args.dtype), _IdsOnly()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     apply_prefill_dtype(model, getattr(args, "prefill_dtype", "float32"))
     return model, tokenizer
+
+
+class _IdsOnly:
+    """The tokenizer of a bench that feeds token ids: the special ids alone."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+
+def random_default_shapes(device: str = "auto", dtype: str = "auto"):
+    """A random-init Llama of SmolLM2-135M-Instruct's shapes (30 layers, 9 query / 3 KV heads of 64,
+    hidden 576, MLP 1536, vocab 49152, RoPE theta 1e5, tied embeddings): the same work per token as
+    the default model without its weights, for timing on a machine the GGUF cannot reach."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from h2o_cache.loading import resolve_dtype
+
+    place = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(place, resolve_dtype(dtype, place)).eval()
 
 
 def cell(value) -> str:
