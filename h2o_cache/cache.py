@@ -392,14 +392,19 @@ class H2OCache:
         before the pass with what this chunk's real queries ([B, H_q, C, D] before RoPE, fp32) point
         at; with `recall_ahead`, keep each prefill row's choosing queries of `layer` (`self.ahead`)."""
         step = self._step
+        asked, host = [], None
         for row, n in enumerate(step.n_new):
             chooses = self.recalled[row] and row not in step.chosen
             if n > 1 and (chooses or self.ahead[row] is not None):
-                queries = plain[row:row + 1, :, self._choosing(n)]
+                choosing = self._choosing(n)
                 if self.ahead[row] is not None:
-                    self.ahead[row][layer] = queries[0]
+                    self.ahead[row][layer] = plain[row, :, choosing]
                 if chooses:
-                    recall.choose(self, row, queries, scaling, slice(layer, layer + 1))
+                    if host is None:  # the choices run on the host: one download for all the rows
+                        host = plain.cpu()
+                    asked.append((row, host[row:row + 1, :, choosing]))
+        if asked:  # the rows' windows are written together (`recall.choose_rows`)
+            recall.choose_rows(self, asked, scaling, slice(layer, layer + 1))
 
     def _choosing(self, n: int) -> slice:
         """Which of a chunk's n queries choose: `recall_queries` of them, evenly spaced, ending at the last
@@ -472,9 +477,12 @@ class H2OCache:
             due.sort(key=lambda row: (-self.due[row], (row - start) % self.batch_size))
             due = due[:cap]
             self._choice_turn = due[-1] + 1
-        for row in due:
-            recall.refresh(self, self._queries, self.spec.scaling, [row])
-            self.due[row] = 0
+        chose: list[int] = []
+        try:
+            recall.refresh(self, self._queries, self.spec.scaling, due, done=chose)
+        finally:
+            for row in chose:
+                self.due[row] = 0
 
     def new_archive(self) -> Archive:
         spec, config = self.spec, self.config

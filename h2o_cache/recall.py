@@ -85,18 +85,29 @@ def newest_blocks(cache: H2OCache, row: int) -> None:
 
 
 @torch.no_grad()
-def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int] | None = None) -> None:
+def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int] | None = None,
+            done: list[int] | None = None) -> None:
     """Between decode steps: widen the window of every row of `rows` (default all) that can grow, then
-    fill it with what the row's queries ([L, B, H_q, D] before RoPE, one token per row) point at."""
-    for row in range(cache.batch_size) if rows is None else rows:
-        grown = grow(cache, row, fill_newest=False)  # the choice below writes every slot of a grown window
-        if cache.recalled[row]:
-            try:
-                choose(cache, row, queries[:, row, :, None], scaling, everywhere=True)
-            except Exception:
-                if grown:
-                    newest_blocks(cache, row)
-                raise
+    fill it with what the row's queries ([L, B, H_q, D] before RoPE, one token per row) point at
+    (`choose_rows`: the rows' windows written together where the kernel chooses for a device). The
+    rows that chose go to `done`; a row whose choice raises ends the call, and a window it grew holds
+    the archive's newest blocks."""
+    rows = list(range(cache.batch_size) if rows is None else rows)
+    grown = [row for row in rows if grow(cache, row, fill_newest=False)]  # the choice writes every slot of it
+    chose: list[int] = []
+    asked = [row for row in rows if cache.recalled[row]]
+    if asked:
+        queries = queries.cpu()  # the choices run on the host: one download for all the rows (a no-op on the CPU)
+    try:
+        choose_rows(cache, [(row, queries[:, row, :, None]) for row in asked], scaling, everywhere=True, done=chose)
+    except Exception:
+        for row in grown:
+            if row not in chose:
+                newest_blocks(cache, row)
+        raise
+    finally:
+        if done is not None:
+            done.extend(chose)
 
 
 @torch.no_grad()
@@ -106,29 +117,46 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
     RoPE, the row's queries of those layers) would attend to most (`Archive.select`, its `everywhere`
     and `per_layer` as given), per KV head. On the CPU a decode step's choice over all layers, and a
     prefill chunk's for its layers, run in one kernel call each (`native_recall`) where it can; on
-    another device or dtype the kernel still makes the choice (the archive is host memory) and `fill`
-    writes the window where it lives."""
-    r = cache.recalled[row]
-    if not r:
-        return
+    another device or dtype the kernel still makes the choice (the archive is host memory) and
+    `write_rows` writes the window where it lives."""
+    choose_rows(cache, [(row, queries)], scaling, layers, everywhere, per_layer)
+
+
+@torch.no_grad()
+def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling: float, layers: slice = slice(None),
+                everywhere: bool = False, per_layer: bool = False, done: list[int] | None = None) -> None:
+    """`choose` for each (row, queries) of `asked`, in turn. Where the kernel chooses for a window it
+    cannot write (a GPU's: `native_recall.ranks`), it names each row's new tokens and the windows of
+    all the rows are written together after (`write_rows`: on a GPU two uploads and one set of ops,
+    not per row). The rows that chose go to `done`; a row that raises ends the call, after the windows
+    of the rows before it are written."""
     spec = cache.spec
-    group = queries.shape[1] // spec.num_kv_heads
-    # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
-    grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
-    if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
-        if everywhere:
-            native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
-        else:
-            native_recall.choose_blocks(cache, row, grouped, scaling, layers)
-        return
-    if kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
-        before = held(cache, row)[layers].clone()
-        native_recall.assign(cache, row, grouped, scaling, layers, everywhere)
-        write(cache, row, before, layers)
-        return
-    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer, cache.config.recall_span)
-    fill(cache, row, chosen, layers)
+    pending: list[tuple[int, torch.Tensor]] = []
+    try:
+        for row, queries in asked:
+            r = cache.recalled[row]
+            if r:
+                group = queries.shape[1] // spec.num_kv_heads
+                # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
+                grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
+                if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
+                    if everywhere:
+                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
+                    else:
+                        native_recall.choose_blocks(cache, row, grouped, scaling, layers)
+                elif kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
+                    before = held(cache, row)[layers].clone()
+                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere)
+                    pending.append((row, before))
+                else:
+                    chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
+                                                        cache.config.recall_span)
+                    fill(cache, row, chosen, layers)
+            if done is not None:
+                done.append(row)
+    finally:
+        write_rows(cache, pending, layers)
 
 
 def held(cache: H2OCache, row: int) -> torch.Tensor:
@@ -150,35 +178,64 @@ def fill(cache: H2OCache, row: int, chosen: torch.Tensor, layers: slice = slice(
     window = held(cache, row)[layers]
     before = window.clone()
     window.copy_(assign(before, chosen))
-    write(cache, row, before, layers)
+    write_rows(cache, [(row, before)], layers)
+
+
+_WRITTEN_AT_ONCE = 1 << 16  # slots placed together: their rows' origins gathered, [slots, capacity] int64
 
 
 @torch.no_grad()
-def write(cache: H2OCache, row: int, before: torch.Tensor, layers: slice = slice(None)) -> None:
-    """Copy into the window of `layers` the archived tokens of the slots whose token `held` names now
-    and did not in `before` ([L', H_kv, r]): keys, values, origins, keys rotated to where their tokens
-    stood in the text among the row's own tokens, scores 0. On a device: one upload of the indices and
-    origins and one of the keys and values (`transfer.upload`: no wait for the device's queued work)."""
-    now = held(cache, row)[layers]
-    layer_ids, head_ids, slots = (now != before).nonzero(as_tuple=True)
-    if not len(slots):
+def write_rows(cache: H2OCache, pending: list[tuple[int, torch.Tensor]], layers: slice = slice(None)) -> None:
+    """Copy into the windows of `layers` of each (row, before) of `pending` the archived tokens of the
+    slots whose token `held` names now and did not in `before` ([L', H_kv, r]): keys, values,
+    origins, keys rotated to where their tokens stood in the text among the row's own tokens, scores
+    0. All the rows at once: on a device one upload of the slots' indices and origins and one of their
+    keys and values (`transfer.upload`: no wait for the device's queued work), then one set of ops."""
+    first = layers.start or 0
+    indices, vectors = [], []
+    for row, before in pending:
+        now = held(cache, row)[layers]
+        layer_ids, head_ids, slots = (now != before).nonzero(as_tuple=True)
+        if not len(slots):
+            continue
+        tokens = now[layer_ids, head_ids, slots]
+        keys, values, origins = cache.archives[row].gather_heads(layer_ids + first, head_ids, tokens[:, None],
+                                                                 ("keys", "values", "origins"))
+        shared = torch.tensor([[row], [cache.recalled[row]], [cache.lengths[row]]]).expand(3, len(slots))
+        indices.append(torch.cat([torch.stack([layer_ids + first, head_ids, slots, origins[:, 0]]), shared]))
+        vectors.append(torch.stack([keys[:, 0], values[:, 0]]))
+        cache.recall_count[row] += len(slots)
+    if not indices:
         return
-    tokens = now[layer_ids, head_ids, slots]
-    layer_ids = layer_ids + (layers.start or 0)
-    keys, values, origins = cache.archives[row].gather_heads(layer_ids, head_ids, tokens[:, None], ("keys", "values", "origins"))
     device = cache.spec.device
-    at = upload(torch.stack([layer_ids, head_ids, slots, origins[:, 0]]), device)
-    copied = upload(torch.stack([keys[:, 0], values[:, 0]]), device, cache._keys.dtype)
-    layer, head, slot, origin = at
-    cache._keys[layer, row, head, slot] = copied[0]
-    cache._values[layer, row, head, slot] = copied[1]
-    cache._origins[layer, row, head, slot] = origin
-    r, n = cache.recalled[row], cache.lengths[row]
-    cos, sin = cache.spec.rope.at(text_positions(origin[:, None], cache._origins[layer, row, head, r:n], r)[:, 0])
-    cache._rotated[layer, row, head, slot] = rotate(copied[0].float(), cos, sin).to(copied.dtype)
-    if cache._scores is not None:
-        cache._scores[layer, row, head, slot] = 0.0
-    cache.recall_count[row] += len(slots)
+    at = upload(torch.cat(indices, dim=1), device)  # [7, slots]: layer, head, slot, origin, row, r, n
+    copied = upload(torch.cat(vectors, dim=1), device, cache._keys.dtype)  # [2, slots, D]: keys, values
+    for start in range(0, at.shape[1], _WRITTEN_AT_ONCE):
+        part = slice(start, start + _WRITTEN_AT_ONCE)
+        layer, head, slot, origin, row, r, n = at[:, part]
+        keys = copied[0, part]
+        cache._keys[layer, row, head, slot] = keys
+        cache._values[layer, row, head, slot] = copied[1, part]
+        cache._origins[layer, row, head, slot] = origin
+        cos, sin = cache.spec.rope.at(slot_positions(cache._origins[layer, row, head], origin, r, n))
+        cache._rotated[layer, row, head, slot] = rotate(keys.float(), cos, sin).to(keys.dtype)
+        if cache._scores is not None:
+            cache._scores[layer, row, head, slot] = 0.0
+
+
+def slot_positions(origins: torch.Tensor, recalled: torch.Tensor, r: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """`text_positions` of single window slots, each of its own row: origins [m, capacity], the origins
+    of each slot's row, layer and head (own tokens in slots r .. n - 1, ascending); recalled [m], the
+    slots' own origins; r, n [m]. Returns [m] fp32, as text_positions computes them."""
+    capacity = origins.shape[-1]
+    own = torch.arange(capacity, device=origins.device)
+    own = (own >= r[:, None]) & (own < n[:, None])
+    after = ((origins < recalled[:, None]) & own).sum(-1)  # own tokens older than each
+    at = r + after  # the slot of the first own token newer
+    since = torch.where(after > 0, origins.gather(-1, (at - 1).clamp(min=0)[:, None])[:, 0], torch.full_like(after, -1))
+    until = torch.where(at < n, origins.gather(-1, at.clamp(max=capacity - 1)[:, None])[:, 0], recalled + 1)
+    share = (recalled - since).double() / (until - since).clamp(min=1).double()
+    return (r - 1 + after + share).float()
 
 
 def assign(held: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

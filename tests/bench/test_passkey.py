@@ -76,8 +76,9 @@ def test_a_chat_through_a_recalling_cache_chooses_its_windows(gen, monkeypatch):
 
     chats = [chat_prompt(gen, [f"w{i}" for i in range(200)], s, turns=2, words_per_turn=20) for s in secrets(2, fact=False)]
     calls = []
-    original = recall.choose
-    monkeypatch.setattr(recall, "choose", lambda cache, row, *args, **kw: calls.append(row) or original(cache, row, *args, **kw))
+    original = recall.choose_rows  # every choice goes through it
+    monkeypatch.setattr(recall, "choose_rows", lambda cache, asked, *args, **kw:
+                        calls.extend(row for row, _ in asked) or original(cache, asked, *args, **kw))
     hits = recalled(gen, cache_config("h2o:64+r32"), [], chats, batch=2)
     assert 0 <= hits <= 2 and set(calls) == {0, 1}  # once the archive fills, both rows' chunks choose
 

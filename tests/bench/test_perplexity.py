@@ -50,8 +50,9 @@ def test_recall_chooses_a_window_at_every_chunk_once_blocks_are_archived_and_sta
     from h2o_cache import recall
 
     chosen = []
-    original = recall.choose
-    monkeypatch.setattr(recall, "choose", lambda cache, row, *a, **k: chosen.append(cache.seen[row]) or original(cache, row, *a, **k))
+    original = recall.choose_rows  # every choice goes through it
+    monkeypatch.setattr(recall, "choose_rows", lambda cache, asked, *a, **k:
+                        chosen.extend(cache.seen[row] for row, _ in asked) or original(cache, asked, *a, **k))
     [run] = [r for r in runs([32], [], full=False, recall=16) if r.config.recalls]
     assert run.label == "h2o 32 +r16"
     nll = stream_nll(tiny_model, run.config, TOKENS)

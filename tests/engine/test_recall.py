@@ -124,18 +124,18 @@ async def test_a_failed_recall_fails_only_its_own_request(make_engine, monkeypat
     firsts = [await collect(await engine.submit(ask(TURNS[0], greedy(20), owner=o))) for o in ("ann", "bob")]
     bobs = engine.sessions.get("bob", firsts[1].session_id).cache.archives[0]
     assert bobs is not None  # the first turn evicted: the next one chooses windows
-    choose = recall.choose
+    choose_rows = recall.choose_rows  # every choice goes through it, one row or several
 
-    def failing_choose(cache, row, *args, **kwargs):
-        if cache.archives[row] is bobs:
+    def failing_choose(cache, asked, *args, **kwargs):
+        if any(cache.archives[row] is bobs for row, _ in asked):
             raise RuntimeError("injected recall failure")
-        return choose(cache, row, *args, **kwargs)
+        return choose_rows(cache, asked, *args, **kwargs)
 
     expected = recall_engine(make_engine)
     control = await collect(await expected.submit(ask(TURNS[0], greedy(20), owner="ann")))
     control = await collect(await expected.submit(ask(good, greedy(20), owner="ann", session_id=control.session_id)))
 
-    monkeypatch.setattr(recall, "choose", failing_choose)
+    monkeypatch.setattr(recall, "choose_rows", failing_choose)
     async with together(engine):
         handles = [await engine.submit(ask(text, greedy(20), owner=o, session_id=f.session_id))
                    for text, o, f in zip((good, bad), ("ann", "bob"), firsts)]

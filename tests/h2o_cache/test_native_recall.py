@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h2o_cache import Generator, SamplingParams, native_recall, recall
+from h2o_cache.recall import text_positions
 from h2o_cache.quantized import kernel
 from tests.conftest import ByteTokenizer, tiny_llama
 from tests.h2o_cache.test_recall import assert_window_holds_archive_tokens, random_tokens, recall_config, row_state
@@ -246,3 +247,56 @@ def test_the_kernels_assignment_alone_names_the_slots_its_fill_writes_and_writes
         recall.refresh(filled, asked, filled.spec.scaling, [0])
         assert torch.equal(cache.windows[0][1], filled.windows[0][1])
     assert filled.recall_count[0] > count[0]
+
+
+def test_rows_whose_windows_are_written_together_end_as_written_one_by_one():
+    """A bf16 batch (the GPU's path: the kernel chooses, `recall.write_rows` writes): rows 0 and 2 of
+    three, of different lengths, choosing in one `refresh` (their windows written together, one
+    upload) end with the same windows, buffers and counts as each choosing alone; row 1 untouched."""
+    model = tiny_llama(heads=8, kv_heads=2, init_std=0.3).to(torch.bfloat16)
+    if kernel() is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    gen = Generator(model, ByteTokenizer())
+    together = gen.new_cache(0, recall_config())
+    for seed, n, more in ((4, 220, 0), (5, 150, 0), (6, 260, 3)):
+        row = gen.new_cache(1, recall_config())
+        gen.prefill(row, [random_tokens(n, seed=seed)], recall=True)
+        if more:  # a few more tokens, under the budget: another length
+            gen.prefill(row, [random_tokens(more, seed=seed + 10)], recall=True)
+        together.extend(row)
+    alone = twin(gen, together)
+    assert native_recall.ranks(together) and len({together.lengths[0], together.lengths[2]}) == 2
+    generator = torch.Generator().manual_seed(4)
+    untouched = row_state(together, 1)
+    for noise in (0.5, 3.0):
+        asked = (together._queries.float() + noise * torch.randn(together._queries.shape, generator=generator)).bfloat16()
+        recall.refresh(together, asked, together.spec.scaling, [0, 2])
+        for row in (0, 2):
+            recall.refresh(alone, asked, alone.spec.scaling, [row])
+    assert together.recall_count == alone.recall_count and together.recall_count[0] > 0 and together.recall_count[2] > 0
+    for row in range(3):
+        assert torch.equal(together.windows[row][1], alone.windows[row][1])
+        a, b = row_state(together, row), row_state(alone, row)
+        assert all(torch.equal(a[name], b[name]) for name in a), row
+    assert all(torch.equal(untouched[name], row_state(together, 1)[name]) for name in untouched)
+
+
+def test_slot_positions_are_text_positions_slot_by_slot():
+    """`recall.slot_positions` (single slots of many rows, each its own window and length) gives what
+    `text_positions` gives for the whole window of each row, to the bit."""
+    generator = torch.Generator().manual_seed(5)
+    capacity, heads = 40, 3
+    origins = torch.zeros(2, heads, capacity, dtype=torch.int64)
+    rows = []
+    for b, (r, n) in enumerate(((8, 30), (12, 40))):
+        own = torch.randperm(500, generator=generator)[:n - r].sort().values.expand(heads, -1) + torch.arange(heads)[:, None]
+        window = torch.randint(0, 520, (heads, r), generator=generator)
+        origins[b, :, :r], origins[b, :, r:n] = window, own
+        rows.append((r, n, text_positions(window[None], own[None], r)[0]))
+    b, h, j = torch.meshgrid(torch.arange(2), torch.arange(heads), torch.arange(8), indexing="ij")
+    b, h, j = b.flatten(), h.flatten(), j.flatten()
+    r = torch.tensor([rows[i][0] for i in b.tolist()])
+    n = torch.tensor([rows[i][1] for i in b.tolist()])
+    got = recall.slot_positions(origins[b, h], origins[b, h, j], r, n)
+    want = torch.stack([rows[i][2][hh, jj] for i, hh, jj in zip(b.tolist(), h.tolist(), j.tolist())])
+    assert torch.equal(got, want)

@@ -424,7 +424,8 @@ def test_the_fast_path_chooses_after_a_prefill_through_the_burst_and_every_inter
     recalling_rows(gen, (40, 41), [decoder])
     refreshed = []
     refresh = recall.refresh
-    monkeypatch.setattr(recall, "refresh", lambda cache, *args: refreshed.append(decoder.steps) or refresh(cache, *args))
+    monkeypatch.setattr(recall, "refresh", lambda cache, queries, scaling, rows, **kw:
+                        refreshed.extend([decoder.steps] * len(rows)) or refresh(cache, queries, scaling, rows, **kw))
     for step in range(1, 13):
         counts, windows = list(decoder.cache.recall_count), [w[1].clone() for w in decoder.cache.windows]
         keys = decoder.cache.buffers().keys[:, :2, :, :16].clone()
@@ -449,14 +450,16 @@ def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model,
     decoder.cache.pending = [[t] for t in decoder.step().argmax(-1).tolist()]
     assert decoder.cache.due == [True, True]
     lengths, seen = list(decoder.cache.lengths), list(decoder.cache.seen)
-    refresh = recall.refresh
+    choose_rows = recall.choose_rows
 
-    def failing(cache, queries, scaling, rows=None):
-        if rows == [1]:
+    def failing(cache, asked, scaling, *args, done=None, **kw):  # row 1's choice raises, after the rows before it chose
+        rows = [row for row, _ in asked]
+        if 1 in rows:
+            choose_rows(cache, asked[:rows.index(1)], scaling, *args, done=done, **kw)
             raise RuntimeError("injected choice failure")
-        return refresh(cache, queries, scaling, rows)
+        return choose_rows(cache, asked, scaling, *args, done=done, **kw)
 
-    monkeypatch.setattr(recall, "refresh", failing)
+    monkeypatch.setattr(recall, "choose_rows", failing)
     with pytest.raises(RuntimeError, match="injected"):
         decoder.step()
     assert decoder.cache.due == [False, True] and decoder.cache.seen == seen and decoder.cache.lengths == lengths
@@ -507,11 +510,11 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
     gen = Generator(peaked_model, ByteTokenizer(), config)
     layers = peaked_model.config.num_hidden_layers
     calls, stored = [], []
-    choose, step = recall.choose, gen.step
+    choose_rows, step = recall.choose_rows, gen.step
 
-    def recording_choose(cache, row, queries, scaling, layers=slice(None), everywhere=False, per_layer=False):
-        calls[-1].append((layers, queries.clone(), per_layer))
-        return choose(cache, row, queries, scaling, layers, everywhere, per_layer)
+    def recording_choose(cache, asked, scaling, layers=slice(None), everywhere=False, per_layer=False, done=None):
+        calls[-1].extend((layers, queries.clone(), per_layer) for _, queries in asked)
+        return choose_rows(cache, asked, scaling, layers, everywhere, per_layer, done)
 
     def recording_step(cache, pieces, ahead_rows=None):
         calls.append([])
@@ -519,7 +522,7 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
         stored.append((len(pieces[0]), None if cache.ahead[0] is None else cache.ahead[0].clone()))
         return logits
 
-    monkeypatch.setattr(recall, "choose", recording_choose)
+    monkeypatch.setattr(recall, "choose_rows", recording_choose)  # what every choice goes through
     monkeypatch.setattr(gen, "step", recording_step)
     cache = gen.new_cache(1)
     gen.prefill(cache, [random_tokens(70, seed=5)], recall=True)
@@ -605,8 +608,8 @@ def test_capped_choices_serve_a_replys_first_choice_first_then_the_rows_in_turn(
     recalling_rows(gen, (70, 71, 72), [decoder])
     chose = []
     refresh = recall.refresh
-    monkeypatch.setattr(recall, "refresh", lambda cache, queries, scaling, rows: chose.append(rows[0]) or
-                        refresh(cache, queries, scaling, rows))
+    monkeypatch.setattr(recall, "refresh", lambda cache, queries, scaling, rows, **kw: chose.extend(rows) or
+                        refresh(cache, queries, scaling, rows, **kw))
     assert decoder.cache.due == [FIRST] * 3
     for _ in range(3):
         decoder.cache.pending = [[t] for t in decoder.step().argmax(-1).tolist()]
