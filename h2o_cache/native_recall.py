@@ -124,32 +124,31 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
     written = torch.zeros(end - first, heads, dtype=torch.int32)
     blocks = r // archive.block
     ranked = storage["half"] if archive.dtype == torch.float32 else storage["keys"]  # 16-bit keys
-    choice = _Choice(
+    fields = dict(
         layers=end - first, heads=heads, dim=archive.head_dim, group=queries.shape[2], blocks=archive.full_blocks,
         block=archive.block, capacity=storage["keys"].shape[2], digest_capacity=storage["lo"].shape[2],
         window=r, candidates=min(CANDIDATES * blocks, archive.full_blocks), span=span,
         positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
         queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
-        half_bf16=int(archive.dtype == torch.bfloat16))
-    choice.held = recall.held(cache, row)[first:end].data_ptr()  # a view: contiguous, as the layers are
-    if window:
+        half_bf16=int(archive.dtype == torch.bfloat16),
+        held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
+    if window:  # what the kernel copies the chosen tokens from and into
         cos, sin = (t.contiguous() for t in cache.spec.rope.get(cache.lengths[row]))
         buffers = cache.buffers()
         keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
-        for name, value in dict(
-                keys=storage["keys"][first].data_ptr(), values=storage["values"][first].data_ptr(),
-                cos=cos.data_ptr(), sin=sin.data_ptr(),
-                cache_keys=keys[first, row].data_ptr(), cache_rotated=buffers.rotated[first, row].data_ptr(),
-                cache_values=buffers.values[first, row].data_ptr(), kv_layer_stride=keys.stride(0),
-                kv_head_stride=keys.stride(2),
-                cache_scores=None if scores is None else scores[first, row].data_ptr(),
-                score_layer_stride=0 if scores is None else scores.stride(0),
-                score_head_stride=0 if scores is None else scores.stride(2),
-                cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
-                origin_head_stride=origins.stride(2),
-                frequencies=cache.spec.rope.frequencies.data_ptr()).items():
-            setattr(choice, name, value)
+        fields |= dict(
+            keys=storage["keys"][first].data_ptr(), values=storage["values"][first].data_ptr(),
+            cos=cos.data_ptr(), sin=sin.data_ptr(), frequencies=cache.spec.rope.frequencies.data_ptr(),
+            cache_keys=keys[first, row].data_ptr(), cache_rotated=buffers.rotated[first, row].data_ptr(),
+            cache_values=buffers.values[first, row].data_ptr(), kv_layer_stride=keys.stride(0),
+            kv_head_stride=keys.stride(2),
+            cache_scores=None if scores is None else scores[first, row].data_ptr(),
+            score_layer_stride=0 if scores is None else scores.stride(0),
+            score_head_stride=0 if scores is None else scores.stride(2),
+            cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
+            origin_head_stride=origins.stride(2))
+    choice = _Choice(**fields)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
