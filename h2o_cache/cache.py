@@ -392,7 +392,7 @@ class H2OCache:
         before the pass with what this chunk's real queries ([B, H_q, C, D] before RoPE, fp32) point
         at; with `recall_ahead`, keep each prefill row's choosing queries of `layer` (`self.ahead`)."""
         step = self._step
-        asked, host = [], None
+        asked = []
         for row, n in enumerate(step.n_new):
             chooses = self.recalled[row] and row not in step.chosen
             if n > 1 and (chooses or self.ahead[row] is not None):
@@ -400,11 +400,18 @@ class H2OCache:
                 if self.ahead[row] is not None:
                     self.ahead[row][layer] = plain[row, :, choosing]
                 if chooses:
-                    if host is None:  # the choices run on the host: one download for all the rows
-                        host = plain.cpu()
-                    asked.append((row, host[row:row + 1, :, choosing]))
-        if asked:  # the rows' windows are written together (`recall.choose_rows`)
-            recall.choose_rows(self, asked, scaling, slice(layer, layer + 1))
+                    asked.append((row, choosing))
+        if not asked:
+            return
+        # the choices run on the host: one download of the choosing rows' queries, and their windows
+        # written together (`recall.choose_rows`)
+        rows = [row for row, _ in asked]
+        if rows == list(range(rows[0], rows[-1] + 1)):
+            host = plain[rows[0]:rows[-1] + 1].cpu()
+        else:
+            host = plain.index_select(0, upload(rows, plain.device)).cpu()
+        recall.choose_rows(self, [(row, host[i:i + 1, :, choosing]) for i, (row, choosing) in enumerate(asked)],
+                           scaling, slice(layer, layer + 1))
 
     def _choosing(self, n: int) -> slice:
         """Which of a chunk's n queries choose: `recall_queries` of them, evenly spaced, ending at the last

@@ -96,10 +96,13 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     grown = [row for row in rows if grow(cache, row, fill_newest=False)]  # the choice writes every slot of it
     chose: list[int] = []
     asked = [row for row in rows if cache.recalled[row]]
-    if asked:
-        queries = queries.cpu()  # the choices run on the host: one download for all the rows (a no-op on the CPU)
+    if len(asked) > 1:  # the choices run on the host: one download for all the rows' queries
+        host = torch.stack([queries[:, row] for row in asked], dim=1).cpu()
+        asked_queries = [(row, host[:, i, :, None]) for i, row in enumerate(asked)]
+    else:
+        asked_queries = [(row, queries[:, row, :, None]) for row in asked]
     try:
-        choose_rows(cache, [(row, queries[:, row, :, None]) for row in asked], scaling, everywhere=True, done=chose)
+        choose_rows(cache, asked_queries, scaling, everywhere=True, done=chose)
     except Exception:
         for row in grown:
             if row not in chose:

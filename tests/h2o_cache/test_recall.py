@@ -693,3 +693,30 @@ def test_placing_rows_together_places_each_as_alone():
     assert torch.equal(rotated[:, [0, 2]], alone[:, [0, 2]])
     assert (rotated[:, 1, :, :rows.recalled[1]] == 0).all() and torch.equal(rotated[:, 1, :, rows.recalled[1]:], before[:, 1, :, rows.recalled[1]:])
     assert_window_holds_archive_tokens(model, rows, 0)
+
+
+def test_a_prefill_pass_hands_each_choosing_row_its_own_queries(monkeypatch):
+    """Rows 0 and 2 of a pass choose (row 1 has no window yet): the queries each is handed, downloaded
+    once for the two (`H2OCache._choose`, not a contiguous range of rows), are its own."""
+    from h2o_cache.cache import H2OCache
+
+    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3)
+    gen = Generator(model, ByteTokenizer(), recall_config())
+    batch = gen.new_cache(0)
+    for seed, n in ((4, 120), (5, 6), (6, 130)):
+        row = gen.new_cache(1)
+        gen.prefill(row, [random_tokens(n, seed=seed)], recall=True)
+        batch.extend(row)
+    assert batch.recalled[0] and not batch.recalled[1] and batch.recalled[2]
+    seen, handed = [], []
+    choose, choose_rows = H2OCache._choose, recall.choose_rows
+    monkeypatch.setattr(H2OCache, "_choose", lambda self, layer, plain, scaling: seen.append(plain.clone()) or
+                        choose(self, layer, plain, scaling))
+    monkeypatch.setattr(recall, "choose_rows", lambda cache, asked, *a, **k: (handed.append(asked) if asked else None)
+                        or choose_rows(cache, asked, *a, **k))
+    gen.step(batch, [random_tokens(8, seed=s) for s in (7, 8, 9)])
+    assert len(handed) == len(seen) == model.config.num_hidden_layers
+    for plain, asked in zip(seen, handed):
+        assert [row for row, _ in asked] == [0, 2]
+        for row, queries in asked:
+            assert torch.equal(queries, plain[row:row + 1])
