@@ -12,7 +12,10 @@ and its own queries, pooled over all layers, choose the next one (each of a repl
 `recall_burst` steps, then every `recall_interval`-th), on the transformers path as on the fast step
 (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
 archive keeps every token, so a token that falls out of the chosen set is not lost, and a token is in
-the window at most once; the window never competes for the budget (its slots are pinned).
+the window at most once; the window never competes for the budget (its slots are pinned). The
+choice runs on the host, where the archive is: in one C++ call per row (`native_recall`), which on
+the CPU in fp32 also writes the window, and elsewhere (a GPU, a 16-bit cache) names the slots whose
+token changes, which `write_rows` then copies, for all the rows that chose together.
 
 Layout of a row with a window of r slots:
     [0, r)        the window: recalled keys, their values and origins; each key rotated to where its
@@ -291,13 +294,6 @@ def place(cache: H2OCache, rows: list[int]) -> None:
         cos, sin = cache.spec.rope.at(text_positions(origins[..., :r], origins[..., r:], r))
         keys = cache._keys[:, at, :, :r]
         cache._rotated[:, at, :, :r] = rotate(keys.float(), cos, sin).to(keys.dtype)
-
-
-def window_positions(cache: H2OCache, row: int, layers: slice = slice(None)) -> torch.Tensor:
-    """`text_positions` of the row's window in `layers`: [L', H_kv, recalled[row]]."""
-    r, n = cache.recalled[row], cache.lengths[row]
-    origins = cache._origins[layers, row]
-    return text_positions(origins[..., :r], origins[..., r:n], r)
 
 
 def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:
