@@ -37,7 +37,7 @@ from h2o_cache.decode import CacheBuffers
 from h2o_cache.eviction import accumulate_scores
 from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable, unrotate
-from h2o_cache.transfer import upload
+from h2o_cache.transfer import as_slice, upload
 
 # `H2OCache.due[row]`: the row's due choice is its reply's first, due since its prompt (capped choices,
 # `CacheConfig.recall_choices`, serve these first; one kept waiting chooses by the latest queries)
@@ -406,10 +406,8 @@ class H2OCache:
         # the choices run on the host: one download of the choosing rows' queries, and their windows
         # written together (`recall.choose_rows`)
         rows = [row for row, _ in asked]
-        if rows == list(range(rows[0], rows[-1] + 1)):
-            host = plain[rows[0]:rows[-1] + 1].cpu()
-        else:
-            host = plain.index_select(0, upload(rows, plain.device)).cpu()
+        at = as_slice(rows)
+        host = (plain[at] if at else plain.index_select(0, upload(rows, plain.device))).cpu()
         recall.choose_rows(self, [(row, host[i:i + 1, :, choosing]) for i, (row, choosing) in enumerate(asked)],
                            scaling, slice(layer, layer + 1))
 

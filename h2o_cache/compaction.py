@@ -19,7 +19,7 @@ from h2o_cache import recall
 from h2o_cache.eviction import keep_indices, take_vectors
 from h2o_cache.quantized import kernel
 from h2o_cache.rope import rotate_into
-from h2o_cache.transfer import download, upload
+from h2o_cache.transfer import as_slice, download, upload
 
 if TYPE_CHECKING:
     from h2o_cache.cache import H2OCache
@@ -36,12 +36,8 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     target = max(keep)
     held = [cache.lengths[row] for row in rows]
     longest = max(held)
-    first = rows[0]
     row_ids, lengths, kept = upload([rows, held, keep], device)
-    if rows == list(range(first, first + len(rows))):  # the usual case: plain slices, no copies
-        picked = slice(first, first + len(rows))
-    else:
-        picked = row_ids
+    picked = as_slice(rows) or row_ids
     scores = cache._scores[:, picked, :, :longest] if cache._scores is not None else None
     priority = cache.policy.priority(scores, torch.arange(longest, device=device))
     priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
@@ -50,7 +46,7 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
         priority, lengths, kept, config.sinks, config.recent, width=target, pinned=pinned,
     )
     if config.recalls:
-        archive(cache, rows, index, lengths, keep, longest)
+        archive(cache, rows, row_ids, index, lengths, keep, longest)
         real = (torch.arange(target, device=device) < kept[:, None])[None, :, None]  # [1, rows, 1, target]
         cache._pinned[:, picked, :, :target] = pinned.gather(3, index) & real
         cache._pinned[:, picked, :, target:longest] = False
@@ -147,9 +143,11 @@ def kept_vectors(cache: H2OCache, buffer: torch.Tensor, starts: torch.Tensor, in
         cache._scratch = torch.empty(size, device=buffer.device, dtype=buffer.dtype)
     return take_vectors(buffer, starts, index, out=cache._scratch)
 
-def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torch.Tensor, keep: list[int], longest: int) -> None:
+def archive(cache: H2OCache, rows: list[int], row_ids: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+            keep: list[int], longest: int) -> None:
     """Move what an eviction drops to each row's archive: per layer and head, the slots below the
-    row's length that `index` ([L, rows, H, width], see `evict`) does not keep, in slot order."""
+    row's length that `index` ([L, rows, H, width], see `evict`; row_ids: `rows` on the device) does
+    not keep, in slot order."""
     spec = cache.spec
     if native_compaction(cache):
         archive_natively(cache, rows, index, keep)
@@ -167,13 +165,11 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
     fields = []  # per group: keys, values, scores (None without), origins of its rows' dropped tokens
     layers, rows_capacity, heads, capacity, _ = cache._keys.shape
     for m, members in groups.items():
-        picked = [rows[i] for i in members]
-        at = _span(members) or upload(members, spec.device)  # the group's places in this eviction
-        ids = _span(picked) or upload(picked, spec.device)
-        row_ids = torch.arange(ids.start, ids.stop, device=spec.device) if isinstance(ids, slice) else ids
+        at = as_slice(members) or upload(members, spec.device)  # the group's places in this eviction
+        ids = as_slice([rows[i] for i in members]) or row_ids[at]
         gone = order[:, at, :, :m]  # [L, g, H, m]
         # (l, row, h) starts at vector ((l * R + row) * H + h) * capacity: whole vectors, no expanded index
-        starts = ((torch.arange(layers, device=spec.device)[:, None, None] * rows_capacity + row_ids[:, None]) * heads
+        starts = ((torch.arange(layers, device=spec.device)[:, None, None] * rows_capacity + row_ids[at, None]) * heads
                   + torch.arange(heads, device=spec.device)) * capacity
         starts = starts[..., None]
         fields.append((take_vectors(cache._keys, starts, gone), take_vectors(cache._values, starts, gone),
@@ -188,11 +184,6 @@ def archive(cache: H2OCache, rows: list[int], index: torch.Tensor, lengths: torc
             if cache.archives[row] is None:
                 cache.archives[row] = cache.new_archive()
             cache.archives[row].append(*(None if f is None else f[:, j] for f in group_fields), copied=copied)
-
-
-def _span(values: list[int]) -> slice | None:
-    """The slice of consecutive ascending `values` (indexing by it copies nothing), else None."""
-    return slice(values[0], values[-1] + 1) if values == list(range(values[0], values[-1] + 1)) else None
 
 
 class _Dropping(ctypes.Structure):

@@ -72,7 +72,7 @@ def supports(cache) -> bool:
 
 def ranks(cache) -> bool:
     """Whether the kernel is to make this cache's choices whatever its device and dtype, the window
-    then filled by `recall.fill` where the cache lives (`chosen`): asked for, the archive in host
+    then written by `recall.write_rows` where the cache lives (`assign`): asked for, the archive in host
     memory ranking by 16-bit keys the kernel reads (an fp32 archive's fp16 copies, or an fp16 or bf16
     archive's own keys), head_dim a multiple of 8, and the kernel built. The choice reads only the
     archive and the queries, which the host has; on a GPU this takes a row's choice from ~40 torch ops
@@ -86,8 +86,8 @@ def ranks(cache) -> bool:
 def assign(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool) -> None:
     """Make the choice of `choose` (everywhere: over all layers) or `choose_blocks` (else, for the
     contiguous `layers`) and write only which slot takes which token into the row's `recall.held`
-    (a slot whose token stays chosen keeps it), not the window itself: `recall.write` copies the
-    tokens of the slots that changed to where the window lives."""
+    (a slot whose token stays chosen keeps it), not the window itself: `recall.write_rows` copies
+    the tokens of the slots that changed to where the window lives."""
     function = kernel().h2o_recall_choose if everywhere else kernel().h2o_recall_choose_blocks
     _run(function, cache, row, queries, scaling, layers, cache.config.recall_span if everywhere else 0, window=False)
 

@@ -39,7 +39,7 @@ import torch
 
 from h2o_cache import native_recall
 from h2o_cache.rope import rotate, rotate_into
-from h2o_cache.transfer import upload
+from h2o_cache.transfer import as_slice, upload
 
 if TYPE_CHECKING:
     from h2o_cache.cache import H2OCache
@@ -285,11 +285,7 @@ def place(cache: H2OCache, rows: list[int]) -> None:
     for row in rows:
         groups.setdefault((cache.recalled[row], cache.lengths[row]), []).append(row)
     for (r, n), group in groups.items():
-        first = group[0]
-        if group == list(range(first, first + len(group))):  # plain slices, no copies
-            at = slice(first, first + len(group))
-        else:
-            at = upload(group, cache.spec.device)
+        at = as_slice(group) or upload(group, cache.spec.device)
         origins = cache._origins[:, at, :, :n]  # [L, rows, H, n]
         cos, sin = cache.spec.rope.at(text_positions(origins[..., :r], origins[..., r:], r))
         keys = cache._keys[:, at, :, :r]

@@ -10,6 +10,12 @@ from __future__ import annotations
 import torch
 
 
+def as_slice(rows: list[int]) -> slice | None:
+    """The slice of `rows` where they are consecutive and ascending, else None: indexing a batch axis
+    by a slice is a view, with nothing to upload (the usual case: a batch's rows in order)."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
+
+
 def upload(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Host numbers (a nested list or a host tensor) -> a tensor on `device` in one copy, asynchronous
     from pinned memory on a GPU (PyTorch's pinned cache keeps the block until the copy is done)."""
