@@ -43,13 +43,13 @@ def load(args: argparse.Namespace):
 
     torch.set_num_threads(args.threads)
     if args.model == "random":
-        return random_default_shapes(args.device, args.dtype), _IdsOnly()
+        return random_default_shapes(args.device, args.dtype), IdsOnly()
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     apply_prefill_dtype(model, getattr(args, "prefill_dtype", "float32"))
     return model, tokenizer
 
 
-class _IdsOnly:
+class IdsOnly:
     """The tokenizer of a bench that feeds token ids: the special ids alone."""
 
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
@@ -66,7 +66,7 @@ def random_default_shapes(device: str = "auto", dtype: str = "auto"):
     place = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(place, resolve_dtype(dtype, place)).eval()
 

@@ -28,11 +28,7 @@ from dataclasses import replace
 import torch
 
 from h2o_cache import CacheConfig, Generator, Sampler, SamplingParams, StaticDecoder, sample
-from h2o_cache.bench.common import markdown_table
-
-
-class _Tokenizer:
-    pad_token_id, eos_token_id = 0, 2
+from h2o_cache.bench.common import IdsOnly, markdown_table
 
 
 def random_llama(vocab: int):
@@ -49,7 +45,7 @@ def profiled(model, rows: int, generated: int, steps: int, recall: str | None = 
     config = CacheConfig(policy="h2o", budget=64, evict_slack=8, prefill_chunk=64)
     if recall:
         config = replace(config, recall_budget=32, recall_block=8, recall_choices=1, recall_kernel=recall == "kernel")
-    gen = Generator(model, _Tokenizer(), config)
+    gen = Generator(model, IdsOnly(), config)
     decoder = StaticDecoder(model, config, max_rows=rows, quantized=False, native=False)
     for r in range(rows):
         row = gen.new_cache(1)
