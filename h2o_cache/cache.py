@@ -4,9 +4,9 @@ Layout, per layer: keys and values [rows, H_kv, capacity, D] and fp32 scores [ro
 Row b holds `lengths[b]` tokens in slots 0..lengths[b]-1, in arrival order; every layer and head of
 a row holds the same number of tokens, but each head keeps its own choice of tokens.
 
-One forward pass is bracketed by `begin()` (positions, mask and write slots for the new chunk) and
-`end()` (bookkeeping and eviction down to the budget), so between passes no row exceeds its budget;
-during a pass a row holds at most budget + chunk tokens.
+One forward pass is bracketed by `begin()` (positions, mask and write slots for the new chunk; the
+pass itself is `h2o_cache.forward_pass`) and `end()` (bookkeeping and eviction down to the budget), so
+between passes no row exceeds its budget; during a pass a row holds at most budget + chunk tokens.
 
 With position rolling, keys are stored before RoPE and rotated to their slot positions whenever
 they are read, so the query of slot n sees its keys at distances 1..n, never more than the budget.
@@ -28,16 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from h2o_cache import compaction, recall
+from h2o_cache import compaction, forward_pass, recall
 from h2o_cache.archive import Archive
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import CacheBuffers
-from h2o_cache.eviction import accumulate_scores
 from h2o_cache.policies import get_policy
-from h2o_cache.rope import RopeTable, unrotate
-from h2o_cache.transfer import as_slice, upload
+from h2o_cache.rope import RopeTable
 
 # `H2OCache.due[row]`: the row's due choice is its reply's first, due since its prompt (capped choices,
 # `CacheConfig.recall_choices`, serve these first; one kept waiting chooses by the latest queries)
@@ -56,22 +53,6 @@ class ModelSpec:
     rope: RopeTable
     num_heads: int = 0  # query heads (recall keeps a decode step's queries)
     scaling: float = 1.0  # softmax scale of q.k
-
-
-@dataclass
-class _Step:
-    """Shared by all layers during one forward pass of a chunk of C (padded) tokens per row."""
-
-    n_new: list[int]
-    positions: torch.Tensor  # [B, C] int64, positions RoPE gives the new tokens
-    write_slots: torch.Tensor  # [B, C] int64
-    uniform_start: int | None  # all rows write at the same slots: plain slice writes
-    kv_len: int  # max(lengths) + C: keys visible to this pass
-    mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
-    hidden: torch.Tensor | None  # ~mask (True = not attended), computed once for every layer
-    query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
-    fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
-    chosen: set[int] | None = None  # rows whose window this pass's chunk was given before it (with recall)
 
 
 class H2OCache:
@@ -124,7 +105,7 @@ class H2OCache:
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
         self._rows_capacity = 0
         self._capacity = 0
-        self._step: _Step | None = None
+        self._step: forward_pass.Step | None = None
         self.add_rows(rows)
 
     # ----- rows -----------------------------------------------------------------------------
@@ -250,173 +231,27 @@ class H2OCache:
                 new[:, :keep_rows, :, :keep_len] = previous[:, :keep_rows, :, :keep_len]
         self._rows_capacity, self._capacity = rows, capacity
 
-    # ----- one forward pass -------------------------------------------------------------------
+    # ----- one forward pass (`h2o_cache.forward_pass`) ---------------------------------------------
 
     def begin(self, n_new: list[int], ahead: list[bool] | None = None) -> torch.Tensor:
-        """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)).
-
-        Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones.
-        With recall, before a prefill chunk, rows whose archive gained blocks first widen their window
-        (`recall.grow`); with `recall_ahead`, a row whose chunk is of a prompt's body (ahead[b]) then
-        takes the window its previous chunk's queries choose (`self.ahead[b]`), all layers in one
-        choice (each layer's heads pooling alone); other chunks choose layer by layer in the pass
-        (`attend`). Before a decode pass, rows whose choice is due make it (`choose_due`).
-        """
-        if len(n_new) != self.batch_size:
-            raise ValueError(f"got new tokens for {len(n_new)} rows, cache has {self.batch_size}")
-        chunk = max(n_new)
-        fed = chosen = None
-        if self.config.recalls:
-            fed, chosen = [row for row, n in enumerate(n_new) if n], set()
-            # A row given one token decodes, whatever the others are given, so that it evolves as alone.
-            for row in fed:
-                if n_new[row] > 1:
-                    recall.grow(self, row)
-                    self.due[row] = 0  # the chunk chooses, with its own queries or its previous chunk's
-                    if self.config.recall_ahead:
-                        if ahead is not None and ahead[row] and self.ahead[row] is not None:
-                            recall.choose(self, row, self.ahead[row], self.spec.scaling, per_layer=True)
-                            chosen.add(row)
-                        count = len(range(n_new[row])[self._choosing(n_new[row])])
-                        self.ahead[row] = torch.empty(self.spec.num_layers, self.spec.num_heads, count,
-                                                      self.spec.head_dim, device=self.spec.device)
-            self.choose_due([row for row in fed if n_new[row] == 1])
-        device = self.spec.device
-        starts = torch.tensor(self.lengths, device=device)
-        offsets = torch.arange(chunk, device=device)
-        write_slots = starts[:, None] + offsets
-        kv_len = max(self.lengths) + chunk
-        self._reserve(self.batch_size, kv_len)
-
-        uniform = len(set(self.lengths)) == 1
-        if uniform and chunk == 1:
-            mask = None
-        else:
-            key_slots = torch.arange(kv_len, device=device)
-            mask = (key_slots <= write_slots[:, :, None])[:, None]
-        query_valid = None
-        if min(n_new) != chunk:
-            query_valid = offsets < torch.tensor(n_new, device=device)[:, None]
-
-        origins = torch.tensor(self.seen, device=device)[:, None] + offsets  # [B, C]
-        positions = write_slots if self.config.rolling else origins
-        # Every layer and head writes the new tokens at the same slots: one write for all of them.
-        spread = (self.spec.num_layers, self.batch_size, self.spec.num_kv_heads, chunk)
-        self._origins[:, :self.batch_size].scatter_(3, write_slots[None, :, None].expand(spread),
-                                                    origins[None, :, None].expand(spread))
-        self._step = _Step(
-            n_new=list(n_new), positions=positions, write_slots=write_slots,
-            uniform_start=self.lengths[0] if uniform else None,
-            kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask, query_valid=query_valid,
-            fed=None if fed is None else upload([fed, [n_new[row] - 1 for row in fed]], device),
-            chosen=chosen,
-        )
-        return positions
+        """Prepare a pass that feeds n_new[b] tokens to row b (right-padded to max(n_new)); with recall,
+        rows of a prefill chunk widen their windows and decoding rows make their due choices first
+        (`forward_pass.begin`; ahead[b]: row b's chunk is of a prompt's body, for `recall_ahead`).
+        Returns position_ids [B, C] for the model: slot positions with rolling, else absolute ones."""
+        self._step = forward_pass.begin(self, n_new, ahead)
+        return self._step.positions
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Store the chunk's keys/values; return every visible key (rotated) and value.
-
-        key_states, value_states: [B, H_kv, C, D], keys already rotated to `positions`.
-        Returns [B, H_kv, kv_len, D] each.
-        """
-        step = self._step
-        if step is None:
+        """Store the chunk's keys/values ([B, H_kv, C, D], keys rotated to the pass's positions); return
+        every visible key (rotated) and value, [B, H_kv, kv_len, D] each (`forward_pass.store`)."""
+        if self._step is None:
             raise RuntimeError("H2OCache.update outside begin()/end(); use h2o_cache.Generator")
-        rows = self.batch_size
-        targets = [(self._values[layer_idx], value_states)]
-        if self.config.rolling:
-            cos, sin = self.spec.rope.get(step.kv_len)
-            unrotated = unrotate(key_states.float(), cos[step.positions][:, None], sin[step.positions][:, None])
-            targets += [(self._keys[layer_idx], unrotated.to(key_states.dtype)), (self._rotated[layer_idx], key_states)]
-        else:
-            targets.append((self._keys[layer_idx], key_states))
-        scores = self._scores[layer_idx] if self._scores is not None else None
-        chunk = key_states.shape[2]
-        if step.uniform_start is not None:
-            start = step.uniform_start
-            for buffer, states in targets:
-                buffer[:rows, :, start:start + chunk] = states
-            if scores is not None:
-                scores[:rows, :, start:start + chunk] = 0
-        else:
-            index = step.write_slots[:, None, :].expand(-1, key_states.shape[1], -1)
-            for buffer, states in targets:
-                buffer[:rows].scatter_(2, index[..., None].expand_as(states), states)
-            if scores is not None:
-                scores[:rows].scatter_(2, index, 0.0)
-        keys = (self._rotated if self.config.rolling else self._keys)[layer_idx]
-        return keys[:rows, :, :step.kv_len], self._values[layer_idx][:rows, :, :step.kv_len]
+        return forward_pass.store(self, self._step, key_states, value_states, layer_idx)
 
     def attend(self, layer_idx: int, query, keys, values, scaling: float) -> torch.Tensor:
-        """Attention of the chunk's queries; accumulates each key's attention when the policy scores.
-
-        query: [B, H_q, C, D]; keys, values: [B, H_kv, K, D] as returned by `update` (views of the
-        buffers, so a recall window filled here is what they attend to).
-        Returns [B, C, H_q, D], the layout transformers' attention functions return.
-        """
-        step = self._step
-        b, h_q, c, d = query.shape
-        h_kv, k = keys.shape[1], keys.shape[2]
-        if self.config.recalls:
-            plain = self._plain(query)
-            # Each fed row keeps its last token's queries (rows given no token keep what they had):
-            # the next decode pass chooses by them, pooled over every layer.
-            rows, last = step.fed
-            self._queries[layer_idx, rows] = plain[rows, :, last].to(self._queries.dtype)
-            self._choose(layer_idx, plain, scaling)
-        if not self.policy.needs_scores:
-            out = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=step.mask, scale=scaling, enable_gqa=h_q != h_kv,
-            )
-            return out.transpose(1, 2)
-        group = h_q // h_kv
-        # Query heads h_kv*G .. h_kv*G+G-1 share KV head h_kv: fold them into the query axis.
-        grouped = query.reshape(b, h_kv, group * c, d).float()
-        logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).mul_(scaling)
-        logits = logits.view(b, h_kv, group, c, k)
-        if step.mask is not None:
-            logits.masked_fill_(step.hidden[:, :, None], float("-inf"))
-        probs = logits.softmax(dim=-1)
-        self._scores[layer_idx][:b, :, :k] += accumulate_scores(probs, step.query_valid)
-        out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
-        return out.view(b, h_q, c, d).transpose(1, 2)
-
-    def _plain(self, query: torch.Tensor) -> torch.Tensor:
-        """query [B, H_q, C, D] rotated to this pass's positions -> before RoPE, fp32."""
-        step = self._step
-        cos, sin = self.spec.rope.get(step.kv_len)
-        return unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
-
-    def _choose(self, layer: int, plain: torch.Tensor, scaling: float) -> None:
-        """Fill the recall window of `layer` in every prefill row that has one and was not given it
-        before the pass with what this chunk's real queries ([B, H_q, C, D] before RoPE, fp32) point
-        at; with `recall_ahead`, keep each prefill row's choosing queries of `layer` (`self.ahead`)."""
-        step = self._step
-        asked = []
-        for row, n in enumerate(step.n_new):
-            chooses = self.recalled[row] and row not in step.chosen
-            if n > 1 and (chooses or self.ahead[row] is not None):
-                choosing = self._choosing(n)
-                if self.ahead[row] is not None:
-                    self.ahead[row][layer] = plain[row, :, choosing]
-                if chooses:
-                    asked.append((row, choosing))
-        if not asked:
-            return
-        # the choices run on the host: one download of the choosing rows' queries, and their windows
-        # written together (`recall.choose_rows`)
-        rows = [row for row, _ in asked]
-        at = as_slice(rows)
-        host = (plain[at] if at else plain.index_select(0, upload(rows, plain.device))).cpu()
-        recall.choose_rows(self, [(row, host[i:i + 1, :, choosing]) for i, (row, choosing) in enumerate(asked)],
-                           scaling, slice(layer, layer + 1))
-
-    def _choosing(self, n: int) -> slice:
-        """Which of a chunk's n queries choose: `recall_queries` of them, evenly spaced, ending at the last
-        (a slice: indexing by a host list would upload it to a device)."""
-        most = self.config.recall_queries
-        stride = 1 if most is None or n <= most else -(-n // most)
-        return slice((n - 1) % stride, n, stride)
+        """Attention of the chunk's queries [B, H_q, C, D] over `update`'s keys and values, scores
+        accumulated (`forward_pass.attend`). Returns [B, C, H_q, D]."""
+        return forward_pass.attend(self, self._step, layer_idx, query, keys, values, scaling)
 
     @torch.no_grad()
     def end(self) -> None:

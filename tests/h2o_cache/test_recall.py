@@ -697,8 +697,8 @@ def test_placing_rows_together_places_each_as_alone():
 
 def test_a_prefill_pass_hands_each_choosing_row_its_own_queries(monkeypatch):
     """Rows 0 and 2 of a pass choose (row 1 has no window yet): the queries each is handed, downloaded
-    once for the two (`H2OCache._choose`, not a contiguous range of rows), are its own."""
-    from h2o_cache.cache import H2OCache
+    once for the two (`forward_pass._choose`, not a contiguous range of rows), are its own."""
+    from h2o_cache import forward_pass
 
     model = tiny_llama(heads=4, kv_heads=2, init_std=0.3)
     gen = Generator(model, ByteTokenizer(), recall_config())
@@ -709,9 +709,9 @@ def test_a_prefill_pass_hands_each_choosing_row_its_own_queries(monkeypatch):
         batch.extend(row)
     assert batch.recalled[0] and not batch.recalled[1] and batch.recalled[2]
     seen, handed = [], []
-    choose, choose_rows = H2OCache._choose, recall.choose_rows
-    monkeypatch.setattr(H2OCache, "_choose", lambda self, layer, plain, scaling: seen.append(plain.clone()) or
-                        choose(self, layer, plain, scaling))
+    choose, choose_rows = forward_pass._choose, recall.choose_rows
+    monkeypatch.setattr(forward_pass, "_choose", lambda cache, step, layer, plain, scaling: seen.append(plain.clone()) or
+                        choose(cache, step, layer, plain, scaling))
     monkeypatch.setattr(recall, "choose_rows", lambda cache, asked, *a, **k: (handed.append(asked) if asked else None)
                         or choose_rows(cache, asked, *a, **k))
     gen.step(batch, [random_tokens(8, seed=s) for s in (7, 8, 9)])
