@@ -14,11 +14,12 @@ q, sum_d max(q_d lo_d, q_d hi_d) bounds q.k from above for every key k of the bl
 holding one key the query would attend to strongly scores high even when its other keys are noise.
 The bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0. The bound
 picks candidate blocks; the logits of the queries against their keys choose among them (`select`),
-with the keys a full block keeps in fp16 beside fp32 ones (a 16-bit archive ranks by its own keys):
-ranking reads every candidate's keys (all of a 2k history's, ~42 MB per decode choice of a row of
-the default model), and half the bytes took a row's choice from 3.9 to 2.5 ms (the C++ kernel, 2
-threads, batch 8 at 2k tokens), for 1/4 more host memory per archived token and logits rounded to
-fp16 keys (a relative ~5e-4 per key).
+in 16 bits: a 16-bit archive's own keys, or the fp16 copies an fp32 archive keeps of its full blocks'
+keys. Ranking reads every candidate's keys (all of a 2k history's, ~21 MB in 16 bits per decode
+choice of a row of the default model), and half the bytes of fp32 took a row's choice from 3.9 to 2.5
+ms (the C++ kernel, 2 threads, batch 8 at 2k tokens), for logits rounded to fp16 keys (a relative
+~5e-4 per key). `H2OCache` archives in 16 bits (an fp32 cache's in fp16): 29 KB of host memory per
+archived token of the default model instead of 63 KB for fp32 with fp16 copies.
 
 The archive is never emptied by a recall: the cache's recall window (`h2o_cache.recall`) holds
 copies of the blocks its queries chose, so a block that falls out of the chosen set is still here,
@@ -134,9 +135,9 @@ class Archive:
         return start
 
     def native(self) -> bool:
-        """Whether the storage is formed into blocks in C++ (`kernels/compaction.cpp`): fp32 on the
-        CPU, head_dim a multiple of 8, the kernel built (the same results as the torch ops)."""
-        return self.dtype == torch.float32 and self.head_dim % 8 == 0 and kernel() is not None
+        """Whether the storage is formed into blocks in C++ (`kernels/compaction.cpp`): fp32 or fp16,
+        head_dim a multiple of 8, the kernel built (the same results as the torch ops)."""
+        return self.dtype in (torch.float32, torch.float16) and self.head_dim % 8 == 0 and kernel() is not None
 
     def land(self) -> None:
         """Write appended tokens whose copy was pending into the storage (waiting for the copy only
@@ -212,7 +213,9 @@ class Archive:
                        dim=self.head_dim, block=self.block, start=self._digested, stored=self.stored,
                        threads=torch.get_num_threads(), keys=data["keys"].data_ptr(), values=data["values"].data_ptr(),
                        scores=data["scores"].data_ptr(), origins=data["origins"].data_ptr(),
-                       lo=self._lo.data_ptr(), hi=self._hi.data_ptr(), half=self._half.data_ptr())
+                       lo=self._lo.data_ptr(), hi=self._hi.data_ptr(),
+                       half=self._half.data_ptr() if self._ranks_copies() else None,
+                       fp16=int(self.dtype == torch.float16))
         if kernel().h2o_form_blocks(ctypes.byref(job)):
             raise ValueError("the native block forming refused the archive's storage")
         self._digested = full
@@ -378,7 +381,8 @@ class _Forming(ctypes.Structure):
 
     _fields_ = ([(name, ctypes.c_int64) for name in ("heads", "capacity", "digest_capacity", "dim", "block",
                                                      "start", "stored", "threads")]
-                + [(name, ctypes.c_void_p) for name in ("keys", "values", "scores", "origins", "lo", "hi", "half")])
+                + [(name, ctypes.c_void_p) for name in ("keys", "values", "scores", "origins", "lo", "hi", "half")]
+                + [("fp16", ctypes.c_int64)])
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

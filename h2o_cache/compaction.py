@@ -194,7 +194,7 @@ class _Dropping(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("row", "length")] + [("index", ctypes.c_void_p)]
                 + [(name, ctypes.c_int64) for name in ("width", "dropped")]
                 + [(name, ctypes.c_void_p) for name in ("out_keys", "out_values", "out_scores", "out_origins")]
-                + [(name, ctypes.c_int64) for name in ("out_capacity", "offset", "threads")])
+                + [(name, ctypes.c_int64) for name in ("out_capacity", "offset", "threads", "out_fp16")])
 
 
 def archive_natively(cache: H2OCache, rows: list[int], index: torch.Tensor, keep: list[int]) -> None:
@@ -218,7 +218,8 @@ def archive_natively(cache: H2OCache, rows: list[int], index: torch.Tensor, keep
                         row=row, length=cache.lengths[row], index=kept.data_ptr(), width=kept.shape[-1],
                         dropped=dropped, out_keys=data["keys"].data_ptr(), out_values=data["values"].data_ptr(),
                         out_scores=data["scores"].data_ptr(), out_origins=data["origins"].data_ptr(),
-                        out_capacity=data["keys"].shape[2], offset=start, threads=torch.get_num_threads())
+                        out_capacity=data["keys"].shape[2], offset=start, threads=torch.get_num_threads(),
+                        out_fp16=int(store.dtype == torch.float16))
         status = kernel().h2o_archive_dropped(ctypes.byref(job))
         if status:
             store.stored = start  # nothing half-written is ever read

@@ -47,7 +47,7 @@ class _Choice(ctypes.Structure):
                    ("score_head_stride", ctypes.c_int64), ("cache_origins", ctypes.c_void_p),
                    ("origin_layer_stride", ctypes.c_int64), ("origin_head_stride", ctypes.c_int64),
                    ("held", ctypes.c_void_p), ("frequencies", ctypes.c_void_p), ("length", ctypes.c_int64),
-                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64)])
+                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("archive_fp16", ctypes.c_int64)])
 
 
 class _Placement(ctypes.Structure):
@@ -131,7 +131,7 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
         positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
         queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
-        half_bf16=int(archive.dtype == torch.bfloat16),
+        half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
         held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
     if window:  # what the kernel copies the chosen tokens from and into
         cos, sin = (t.contiguous() for t in cache.spec.rope.get(cache.lengths[row]))

@@ -15,8 +15,9 @@
 // per row and a copy per field; ~13 ms per eviction of 8 rows at 272 slots against ~2 ms here).
 // And the archive's tail is formed into blocks in one call (`form_blocks`): the tokens archived since
 // the last full block sorted by original position per head, then each new full block's digests
-// (channel-wise min and max of its keys) and its keys in fp16 for ranking, as `Archive._digests` does
-// with torch ops (the same rounding to nearest even as torch's `half()`).
+// (channel-wise min and max of its keys) and, in an fp32 archive, its keys in fp16 for ranking, as
+// `Archive._digests` does with torch ops (the same rounding to nearest even as torch's `half()`). An
+// fp32 cache archives in fp16: `archive_dropped` rounds what it copies the same way.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -88,16 +89,29 @@ struct Dropping {
     int64_t row, length;       // the row, and the slots it held before the eviction
     const int64_t* index;      // [layers, heads, width]: the slots kept (any order, duplicates allowed)
     int64_t width, dropped;    // every head drops exactly `dropped` slots
-    float* out_keys;           // the archive's [layers, heads, out_capacity, dim], written at offset..
-    float* out_values;
+    void* out_keys;            // the archive's [layers, heads, out_capacity, dim], written at offset..
+    void* out_values;          // (fp32, or fp16 where out_fp16: rounded to nearest even, as torch's half())
     float* out_scores;         // [layers, heads, out_capacity]
     int64_t* out_origins;
-    int64_t out_capacity, offset, threads;
+    int64_t out_capacity, offset, threads, out_fp16;
 };
+
+// out[0..d) <- x[0..d) in fp16, rounded to nearest even; d a multiple of 8.
+inline void narrow(const float* x, uint16_t* out, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// x[0..d) (fp16) -> out, widened exactly; d a multiple of 8.
+inline void widen(const uint16_t* x, float* out, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+}
 
 int archive_dropped(const Dropping& s) {
     const int64_t tasks = s.layers * s.heads, D = s.dim, C = s.capacity;
-    if (s.length > C || s.offset + s.dropped > s.out_capacity) return 1;
+    if (s.length > C || s.offset + s.dropped > s.out_capacity || (s.out_fp16 && D % 8)) return 1;
     int status = 0;
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
@@ -116,8 +130,13 @@ int archive_dropped(const Dropping& s) {
             for (int64_t slot = 0; slot < s.length; ++slot) {
                 if (kept[slot]) continue;
                 if (m == s.dropped) { m = -1; break; }
-                memcpy(s.out_keys + (out + m) * D, s.keys + (at * C + slot) * D, D * sizeof(float));
-                memcpy(s.out_values + (out + m) * D, s.values + (at * C + slot) * D, D * sizeof(float));
+                if (s.out_fp16) {
+                    narrow(s.keys + (at * C + slot) * D, static_cast<uint16_t*>(s.out_keys) + (out + m) * D, D);
+                    narrow(s.values + (at * C + slot) * D, static_cast<uint16_t*>(s.out_values) + (out + m) * D, D);
+                } else {
+                    memcpy(static_cast<float*>(s.out_keys) + (out + m) * D, s.keys + (at * C + slot) * D, D * sizeof(float));
+                    memcpy(static_cast<float*>(s.out_values) + (out + m) * D, s.values + (at * C + slot) * D, D * sizeof(float));
+                }
                 s.out_scores[out + m] = s.scores ? s.scores[at * C + slot] : 0.0f;
                 s.out_origins[out + m] = s.origins[at * C + slot];
                 ++m;
@@ -136,22 +155,26 @@ int archive_dropped(const Dropping& s) {
 // of blocks start .. stored / block.
 struct Forming {
     int64_t heads, capacity, digest_capacity, dim, block, start, stored, threads;
-    float* keys;
-    float* values;
+    void* keys;      // fp32, or fp16 where fp16
+    void* values;
     float* scores;
     int64_t* origins;
     float* lo;
     float* hi;
-    uint16_t* half;  // [heads, capacity, dim] fp16
+    uint16_t* half;  // [heads, capacity, dim] fp16 copies of an fp32 archive's keys; null for an fp16 one
+    int64_t fp16;
 };
 
 int form_blocks(const Forming& s) {
     const int64_t D = s.dim, B = s.block, first = s.start * B, n = s.stored - first, full = s.stored / B;
-    if (first < 0 || n < 0 || s.stored > s.capacity || full > s.digest_capacity || D % 8) return 1;
+    if (first < 0 || n < 0 || s.stored > s.capacity || full > s.digest_capacity || D % 8 || (!s.fp16 && !s.half))
+        return 1;
+    const int64_t bytes = s.fp16 ? 2 : 4, vector = D * bytes;  // one key or value
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
         std::vector<int64_t> order(n), origins(n);
-        std::vector<float> keys(n * D), values(n * D), scores(n);
+        std::vector<char> keys(n * vector), values(n * vector);
+        std::vector<float> scores(n), wide(s.fp16 ? B * D : 0);
 #pragma omp for schedule(static)
         for (int64_t head = 0; head < s.heads; ++head) {
             const int64_t base = head * s.capacity + first;
@@ -161,29 +184,32 @@ int form_blocks(const Forming& s) {
             bool moved = false;
             for (int64_t i = 0; i < n && !moved; ++i) moved = order[i] != i;
             if (moved) {
-                float* key = s.keys + base * D;
-                float* value = s.values + base * D;
+                char* key = static_cast<char*>(s.keys) + base * vector;
+                char* value = static_cast<char*>(s.values) + base * vector;
                 float* score = s.scores + base;
-                memcpy(keys.data(), key, n * D * sizeof(float));
-                memcpy(values.data(), value, n * D * sizeof(float));
+                memcpy(keys.data(), key, n * vector);
+                memcpy(values.data(), value, n * vector);
                 memcpy(scores.data(), score, n * sizeof(float));
                 memcpy(origins.data(), origin, n * sizeof(int64_t));
                 for (int64_t i = 0; i < n; ++i) {
                     const int64_t j = order[i];
-                    memcpy(key + i * D, keys.data() + j * D, D * sizeof(float));
-                    memcpy(value + i * D, values.data() + j * D, D * sizeof(float));
+                    memcpy(key + i * vector, keys.data() + j * vector, vector);
+                    memcpy(value + i * vector, values.data() + j * vector, vector);
                     score[i] = scores[j];
                     origin[i] = origins[j];
                 }
             }
             for (int64_t b = s.start; b < full; ++b) {
-                const float* k = s.keys + (head * s.capacity + b * B) * D;
+                const int64_t at = (head * s.capacity + b * B) * D;  // the block's first value
+                const float* k = wide.data();
+                if (s.fp16) {  // digests of the fp16 keys, widened exactly (the keys the choice ranks)
+                    widen(static_cast<const uint16_t*>(s.keys) + at, wide.data(), B * D);
+                } else {
+                    k = static_cast<const float*>(s.keys) + at;
+                    narrow(k, s.half + at, B * D);
+                }
                 float* lo = s.lo + (head * s.digest_capacity + b) * D;
                 float* hi = s.hi + (head * s.digest_capacity + b) * D;
-                uint16_t* half = s.half + (head * s.capacity + b * B) * D;
-                for (int64_t i = 0; i < B * D; i += 8)
-                    _mm_storeu_si128(reinterpret_cast<__m128i*>(half + i),
-                                     _mm256_cvtps_ph(_mm256_loadu_ps(k + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 low = _mm256_loadu_ps(k + d), high = low;
                     for (int64_t t = 1; t < B; ++t) {

@@ -41,8 +41,8 @@ struct Choice {
     const float* queries;  // [L, H, G, D], before RoPE
     const float* lo;       // [L, H, digest_capacity, D]
     const float* hi;
-    const float* keys;     // [L, H, capacity, D], before RoPE
-    const float* values;
+    const void* keys;      // [L, H, capacity, D], before RoPE: fp32, or fp16 where archive_fp16
+    const void* values;
     const int64_t* origins;  // [L, H, capacity]
     const float* cos;      // [length, D]: the model's RoPE table
     const float* sin;
@@ -59,6 +59,7 @@ struct Choice {
     int64_t length;        // the row's slots: its own tokens are window .. length - 1
     const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in 16 bits, for ranking
     int64_t half_bf16;     // half holds bf16 (a bf16 archive ranks by its own keys), else fp16
+    int64_t archive_fp16;  // keys and values hold fp16 (an fp32 cache's archive), widened as copied
 };
 // cache_keys null: only `held` and `written` are written, and cos, sin, frequencies, keys, values and
 // the cache's pointers are not read (a window on a device: the slots that changed are copied there).
@@ -413,23 +414,37 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
         for (int64_t i = 0; i < count; ++i) held[freed[i]] = incoming[i];
         return static_cast<int32_t>(count);
     }
-    const float* keys = c.keys + head * c.capacity * D;
-    const float* values = c.values + head * c.capacity * D;
+    const bool narrow = c.archive_fp16;
+    const int64_t bytes = narrow ? 2 : 4;  // per archived value
+    const char* keys = static_cast<const char*>(c.keys) + head * c.capacity * D * bytes;
+    const char* values = static_cast<const char*>(c.values) + head * c.capacity * D * bytes;
+    float widened[2 * 512];  // an fp16 archive's key and value, in fp32 (D <= 512)
     const int64_t at = layer * c.kv_layer_stride + h * c.kv_head_stride;
     float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
     int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
     constexpr int64_t ahead = 4;  // the archive's rows are scattered and cold: fetched a few slots early
     for (int64_t i = 0; i < count; ++i) {
         if (i + ahead < count)
-            for (int64_t d = 0; d < D; d += 16) {
-                _mm_prefetch(reinterpret_cast<const char*>(keys + incoming[i + ahead] * D + d), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(values + incoming[i + ahead] * D + d), _MM_HINT_T0);
+            for (int64_t b = 0; b < D * bytes; b += 64) {
+                _mm_prefetch(keys + incoming[i + ahead] * D * bytes + b, _MM_HINT_T0);
+                _mm_prefetch(values + incoming[i + ahead] * D * bytes + b, _MM_HINT_T0);
             }
         const int64_t j = freed[i], token = incoming[i];
         held[j] = token;
-        const float* k = keys + token * D;
+        const float* k = reinterpret_cast<const float*>(keys + token * D * bytes);
+        const float* v = reinterpret_cast<const float*>(values + token * D * bytes);
+        if (narrow) {
+            const uint16_t* k16 = reinterpret_cast<const uint16_t*>(keys) + token * D;
+            const uint16_t* v16 = reinterpret_cast<const uint16_t*>(values) + token * D;
+            for (int64_t d = 0; d < D; d += 8) {
+                _mm256_storeu_ps(widened + d, load8_16(k16 + d, false));
+                _mm256_storeu_ps(widened + 512 + d, load8_16(v16 + d, false));
+            }
+            k = widened;
+            v = widened + 512;
+        }
         memcpy(c.cache_keys + at + j * D, k, D * sizeof(float));
-        memcpy(c.cache_values + at + j * D, values + token * D, D * sizeof(float));
+        memcpy(c.cache_values + at + j * D, v, D * sizeof(float));
         const TextPosition place = text_position(cache_origins + r, c.length - r, origins[token], r);
         rotate_placed(k, c.cos + place.slot * D, c.sin + place.slot * D, c.frequencies, place.share,
                       c.cache_rotated + at + j * D, D);
@@ -466,7 +481,8 @@ int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
 int choose(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, n = c.blocks * B;
     const int64_t K = c.candidates * B, mask = c.positions - 1;
-    if (c.positions <= 0 || (c.positions & mask) || r > n || r <= 0 || c.candidates > c.blocks || c.dim % 8 || c.length < r)
+    if (c.positions <= 0 || (c.positions & mask) || r > n || r <= 0 || c.candidates > c.blocks || c.dim % 8 || c.length < r
+        || (c.archive_fp16 && c.dim > 512))
         return 1;
     const int threads = static_cast<int>(c.threads);
     // kept between calls (fresh pages of these sizes would fault on every touch of every choice); the
@@ -546,7 +562,8 @@ int choose(const Choice& c, int32_t* written) {
 int choose_blocks(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, N = c.blocks, C = c.candidates;
     const int64_t D = c.dim, K = C * B, want = r / B, mask = c.positions - 1;
-    if (c.positions <= 0 || (c.positions & mask) || r % B || want > N || r <= 0 || C > N || C < want || D % 8 || c.length < r)
+    if (c.positions <= 0 || (c.positions & mask) || r % B || want > N || r <= 0 || C > N || C < want || D % 8 || c.length < r
+        || (c.archive_fp16 && D > 512))
         return 1;
     const int threads = static_cast<int>(c.threads);
     constexpr int64_t part = 48;  // queries per task, a multiple of 4

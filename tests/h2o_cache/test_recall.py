@@ -208,7 +208,11 @@ def test_windows_of_several_rows_are_copies_and_rows_choose_as_they_do_alone(pea
         assert together.recall_count[row] == cache.recall_count[0]
         a, b = row_state(together, row), row_state(cache, 0)
         assert torch.equal(a["origins"], b["origins"]) and torch.equal(a["pinned"], b["pinned"])
-        torch.testing.assert_close(a["keys"], b["keys"], rtol=1e-4, atol=1e-5)
+        r = together.recalled[row]
+        torch.testing.assert_close(a["keys"][:, :, r:], b["keys"][:, :, r:], rtol=1e-4, atol=1e-5)
+        # the window's copies come from an fp16 archive: a key that a batch's fp32 sums moved by ~1e-6
+        # may round to the next fp16 value (one unit in the last place, 2^-11 relative)
+        torch.testing.assert_close(a["keys"][:, :, :r], b["keys"][:, :, :r], rtol=2 ** -10, atol=1e-5)
 
 
 @pytest.mark.parametrize("first", [28, 40])
@@ -295,11 +299,13 @@ def test_a_query_matching_an_archived_key_brings_its_block_into_that_head_s_wind
     blocks = blocks_of(cache.windows[0][1])
     origins = cache.buffers().origins[:, 0, :, :8]
     keys = cache.buffers().keys[:, 0, :, :8]
+    archived = cache.archives[0].dtype  # an fp32 cache archives in fp16: the needle comes back rounded
     for layer in range(layers):
         for head in range(heads):
             assert int(where[layer, head]) in blocks[layer, head].tolist()
             assert 100 + int(where[layer, head]) * 4 + 2 in origins[layer, head].tolist()
-            assert any(torch.equal(k, needles[layer, head] * 4) for k in keys[layer, head])
+            needle = (needles[layer, head] * 4).to(archived).to(keys.dtype)
+            assert any(torch.equal(k, needle) for k in keys[layer, head])
     assert_window_holds_archive_tokens(peaked_model, cache, 0)
 
 
