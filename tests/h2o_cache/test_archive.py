@@ -22,8 +22,8 @@ def tokens(m: int, start: int, seed: int = 0):
     return keys, values, scores, origins
 
 
-def archive(block=4, limit=64):
-    return Archive(L, H, D, torch.float32, block=block, limit=limit)
+def archive(block=4, limit=64, dtype=torch.float32):
+    return Archive(L, H, D, dtype, block=block, limit=limit)
 
 
 def unit(seed: int) -> torch.Tensor:
@@ -188,15 +188,16 @@ def test_select_does_not_change_the_archive_and_chooses_the_same_twice():
         assert torch.equal(a.state()[name], state[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
-def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_were_formed(native, monkeypatch):
+def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_were_formed(native, dtype, monkeypatch):
     """Eviction archives a phrase a few tokens at a time; the tokens not yet in a block are sorted by
     origin when blocks form, and a formed block keeps its tokens (in C++ on the CPU, else torch ops)."""
     if native:
-        assert archive().native(), "the kernel forms an fp32 archive's blocks on the CPU"
+        assert archive(dtype=dtype).native(), "the kernel forms an fp32 or fp16 archive's blocks on the CPU"
     else:
         monkeypatch.setattr(Archive, "native", lambda self: False)
-    a = archive(block=4, limit=256)
+    a = archive(block=4, limit=256, dtype=dtype)
     first = tokens(6, 0, seed=1)
     first[3][:] = torch.tensor([10, 2, 7, 0, 5, 3])
     a.append(*first)
@@ -217,18 +218,19 @@ def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_we
         piece = source[origin]
         at = piece[3][1, 2].tolist().index(origin)
         for field, name in enumerate(FIELDS):
-            assert torch.equal(state[name][1, 2, slot], piece[field][1, 2, at])
+            assert torch.equal(state[name][1, 2, slot], piece[field][1, 2, at].to(state[name].dtype))
 
 
-def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(dtype, monkeypatch):
     """Appends of uneven sizes whose origins are scrambled differently in every head, formed after each
     append (some leaving a tail short of a block) and at the limit: the same storage order, digests and
-    fp16 keys."""
+    (an fp32 archive's) fp16 keys."""
     def filled(native: bool) -> list[dict[str, torch.Tensor]]:
         with monkeypatch.context() as patch:
             if not native:
                 patch.setattr(Archive, "native", lambda self: False)
-            a, seen, out = archive(block=4, limit=48), 0, []
+            a, seen, out = archive(block=4, limit=48, dtype=dtype), 0, []
             for i, m in enumerate([3, 6, 1, 9, 4, 7, 12, 5, 8]):
                 keys, values, scores, _ = tokens(m, 0, seed=10 + i)
                 gen = torch.Generator().manual_seed(100 + i)
@@ -237,13 +239,14 @@ def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(monkey
                 seen += m
                 lo, hi = a._digests()
                 state, full = a.state(), a.full_blocks * a.block
-                half = a.storage()["half"][:, :, :full]  # the full blocks' keys in fp16, for ranking
-                assert torch.equal(half, state["keys"][:, :, :full].half())  # after drops at the limit too
-                out.append(state | {"lo": lo.clone(), "hi": hi.clone(), "half": half.clone(),
-                                    "dropped": torch.tensor(a.dropped)})
+                out.append(state | {"lo": lo.clone(), "hi": hi.clone(), "dropped": torch.tensor(a.dropped)})
+                if dtype == torch.float32:
+                    half = a.storage()["half"][:, :, :full]  # the full blocks' keys in fp16, for ranking
+                    assert torch.equal(half, state["keys"][:, :, :full].half())  # after drops at the limit too
+                    out[-1]["half"] = half.clone()
             return out
 
-    assert archive().native()
+    assert archive(dtype=dtype).native()
     for step, (mine, theirs) in enumerate(zip(filled(True), filled(False), strict=True)):
         for name, value in theirs.items():
             assert torch.equal(mine[name], value), (step, name)
@@ -329,6 +332,25 @@ def test_state_and_copies_keep_the_blocks_as_they_were_formed():
         for got, want in zip(other.gather(chosen), a.gather(chosen)):
             assert torch.equal(got, want)
     assert restored.epoch > 0  # a load renumbers blocks for whoever held indices into the old contents
+
+
+def test_an_fp32_archive_s_state_loads_into_an_fp16_archive_rounded_with_its_blocks_as_formed():
+    """A snapshot written before the cache archived in fp16 restores into today's fp16 archive: every
+    token kept, keys and values rounded to nearest even, the formed blocks and digests as an fp16
+    archive forms them."""
+    old = archive(block=4, limit=256)
+    old.append(*tokens(10, 0, seed=1))
+    old._digests()  # two blocks formed, two tokens in the tail
+    state = old.state()
+    new = archive(block=4, limit=256, dtype=torch.float16)
+    new.load_state(state)
+    loaded = new.state()
+    for name in FIELDS:
+        assert torch.equal(loaded[name], state[name].to(loaded[name].dtype))
+    assert loaded["keys"].dtype == torch.float16 and int(loaded["blocked"][0]) == 2
+    lo, hi = new._digests()
+    keys = state["keys"][:, :, :8].half().float().view(L, H, 2, 4, D)
+    assert torch.equal(lo, keys.amin(dim=3)) and torch.equal(hi, keys.amax(dim=3))
 
 
 def test_an_empty_archive_copies_and_restores_empty():
