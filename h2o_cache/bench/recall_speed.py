@@ -11,7 +11,9 @@ recall on vs off at the same budget.
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off. `--breakdown` adds two more: recall on but never
   choosing (the window's slots, archiving and placing alone), and recall off at budget + recall slots
-  (what attending over as many slots costs by itself).
+  (what attending over as many slots costs by itself). `--by-step` times every step alone and prints
+  medians of plain steps, of steps before which rows chose, and of steps after which rows were
+  evicted: where the cost sits (a choosing step of 8 rows pays 8 choices at once).
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
   recall as configured by default (every chunk chooses layer by layer with all its queries; the
   windows grow), with chunks choosing by 16 of their queries per head (`recall_queries=16`), with
@@ -45,24 +47,60 @@ def sync(gen: Generator) -> None:
         torch.cuda.synchronize(gen.spec.device)
 
 
+def decoder_of(gen: Generator, config: CacheConfig, history: H2OCache, turn: list[int], batch: int,
+               warmup: int) -> StaticDecoder:
+    """A fast-path decoder of `batch` rows that each consumed `history` and then `turn`, warmed up by
+    `warmup` steps (>= slack: one eviction)."""
+    decoder = StaticDecoder(gen.model, config, batch)
+    for _ in range(batch):
+        row = gen.new_cache(0, config)
+        row.extend(history)
+        logits = gen.prefill(row, [turn], recall=True)
+        row.pending = [[int(logits[0].argmax())]]
+        decoder.cache.extend(row, move=True)
+    greedy_step_seconds(decoder.step, decoder.cache, warmup)
+    return decoder
+
+
 def decode_times(gen: Generator, configs: dict[str, CacheConfig], rows: dict[str, H2OCache], turn: list[int],
                  batch: int, reps: int, steps: int) -> dict[str, list[float]]:
-    decoders = {}
-    for name, config in configs.items():
-        decoder = StaticDecoder(gen.model, config, batch)
-        for _ in range(batch):
-            row = gen.new_cache(0, config)
-            row.extend(rows[name])
-            logits = gen.prefill(row, [turn], recall=True)
-            row.pending = [[int(logits[0].argmax())]]
-            decoder.cache.extend(row, move=True)
-        decoders[name] = decoder
-        greedy_step_seconds(decoder.step, decoder.cache, steps)  # warm-up, one eviction
+    decoders = {name: decoder_of(gen, config, rows[name], turn, batch, steps) for name, config in configs.items()}
     times = {name: [] for name in configs}
     for _ in range(reps):
         for name, decoder in decoders.items():
             times[name].append(greedy_step_seconds(decoder.step, decoder.cache, steps))
     return times
+
+
+def step_kinds(decoder: StaticDecoder, steps: int) -> dict[str, list[float]]:
+    """Each of `steps` greedy steps timed alone, by what it did besides decoding: some row chose its
+    window before it ("choosing"), some row was evicted after it ("evicting"), neither ("plain")."""
+    cache, times = decoder.cache, {"plain": [], "choosing": [], "evicting": []}
+    for _ in range(steps):
+        choosing, before = any(cache.due), list(cache.lengths)
+        began = time.perf_counter()
+        cache.pending = [[t] for t in decoder.step().argmax(dim=-1).tolist()]
+        elapsed = time.perf_counter() - began
+        evicted = any(after < n + 1 for after, n in zip(cache.lengths, before))
+        times["choosing" if choosing else "evicting" if evicted else "plain"].append(elapsed)
+    return times
+
+
+def step_table(gen: Generator, configs: dict[str, CacheConfig], rows: dict[str, H2OCache], turn: list[int],
+               batch: int, reps: int, steps: int) -> list[list]:
+    """Rows of medians by kind of step (`step_kinds`), the configurations interleaved `reps` times."""
+    decoders = {name: decoder_of(gen, config, rows[name], turn, batch, steps) for name, config in configs.items()}
+    times = {name: {"plain": [], "choosing": [], "evicting": []} for name in configs}
+    for _ in range(reps):
+        for name, decoder in decoders.items():
+            for kind, seconds in step_kinds(decoder, steps).items():
+                times[name][kind] += seconds
+    table = []
+    for name, kinds in times.items():
+        every = [t for ts in kinds.values() for t in ts]
+        table.append([f"batch {batch}, {name}", *[f"{1e3 * statistics.median(ts):.2f} ({len(ts)})" if ts else ""
+                                                  for ts in kinds.values()], 1e3 * statistics.mean(every)])
+    return table
 
 
 def prefill_times(gen: Generator, configs: dict[str, CacheConfig], prompt: list[int], reps: int) -> dict[str, list[float]]:
@@ -95,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
+    parser.add_argument("--by-step", action="store_true",
+                        help="also time every step alone: medians of plain, choosing and evicting steps")
     add_model_args(parser)
     args = parser.parse_args(argv)
 
@@ -128,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
             table.append([f"decode step, batch {batch}, {name}", 1e3 * statistics.median(times["off"]),
                           1e3 * statistics.median(times[name]), ratio, "<= 1.25" if judged else "",
                           ("met" if ratio <= 1.25 else "MISSED") if judged else ""])
+    by_step = []
+    if args.by_step:
+        for batch in args.batch_sizes:
+            by_step += step_table(gen, configs, rows, turn, batch, args.reps, args.steps)
     if args.prefill_reps:  # 0: decode only
         prompt = torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
         chunk = max(1, args.budget // 2)  # the server's chunk with recall
@@ -144,6 +188,12 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["", "recall off, ms", "recall on, ms", "on / off", "target", ""], table,
                          f"Cost of recall, medians of {args.reps} interleaved repetitions "
                          f"({args.prefill_reps} for the prefill): {setup}"))
+    if by_step:
+        print()
+        print(markdown_table(["", "plain step, ms (steps)", "choosing", "evicting", "mean, ms"], by_step,
+                             f"Decode steps timed one by one ({args.reps} x {args.steps} per configuration), medians by "
+                             "what the step did besides decoding: some row chose its window before it, some row "
+                             "was evicted after it"))
     per_token = archive.nbytes / max(len(archive), 1)
     print(f"\nArchive after the history: {len(archive)} tokens per layer/head, {archive.nbytes / 2**20:.1f} MiB "
           f"of host memory, {per_token / 1024:.1f} KiB per archived token (all layers and heads)")

@@ -64,3 +64,22 @@ def test_recall_speed_breakdown_times_the_window_without_choices_and_as_many_slo
         "| decode step, batch 2, off, budget 48"]
     assert rows[0].endswith(("| met |", "| MISSED |"))
     assert all(row.endswith("|  |  |") for row in rows[1:])  # explained, not judged
+
+
+def test_recall_speed_by_step_sorts_every_timed_step_by_what_it_did_besides_decoding(tmp_path, capsys):
+    from h2o_cache.bench import random_model, recall_speed
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
+                       "--turn", "8", "--batch-sizes", "2", "--reps", "2", "--steps", "4", "--intervals", "1",
+                       "--prefill-reps", "0", "--by-step", "--breakdown"])
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| batch 2,")}
+    assert list(rows) == ["batch 2, off", "batch 2, on, every 1", "batch 2, on, never choosing",
+                          "batch 2, off, budget 48"]
+    counts = {name: [int(cell.split("(")[1].rstrip(")")) if cell.strip() else 0 for cell in cells[:3]]
+              for name, cells in rows.items()}
+    assert all(sum(c) == 2 * 4 for c in counts.values())  # every timed step, sorted once
+    assert counts["batch 2, on, every 1"] == [0, 8, 0]  # a choice before every step
+    assert counts["batch 2, off"][1] == counts["batch 2, on, never choosing"][1] == 0
+    assert counts["batch 2, off"][2] > 0  # rows over the budget were evicted within the timed steps
