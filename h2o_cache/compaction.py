@@ -36,14 +36,15 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
     target = max(keep)
     held = [cache.lengths[row] for row in rows]
     longest = max(held)
-    row_ids, lengths, kept = upload([rows, held, keep], device)
+    row_ids, lengths, kept, first = upload([rows, held, keep, [cache.recalled[row] for row in rows]], device)
     picked = as_slice(rows) or row_ids
     scores = cache._scores[:, picked, :, :longest] if cache._scores is not None else None
     priority = cache.policy.priority(scores, torch.arange(longest, device=device))
     priority = priority.expand(spec.num_layers, len(rows), spec.num_kv_heads, longest)
     pinned = cache._pinned[:, picked, :, :longest] if cache._pinned is not None else None
-    index = keep_indices(  # [L, rows, H, target]
+    index = keep_indices(  # [L, rows, H, target]; the sinks are a row's first own tokens, after its window
         priority, lengths, kept, config.sinks, config.recent, width=target, pinned=pinned,
+        first=first if config.recalls else None,
     )
     if config.recalls:
         archive(cache, rows, row_ids, index, lengths, keep, longest)

@@ -13,6 +13,7 @@ def keep_indices(
     recent: int,
     width: int | None = None,
     pinned: torch.Tensor | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slots to keep per row and head, in arrival order.
 
@@ -22,6 +23,8 @@ def keep_indices(
     keep: [B] int64, slots each row keeps (<= lengths; == lengths keeps the row as it is).
     width: max(keep) when the caller knows it, which spares a device-to-host read.
     pinned: [..., B, H, N] bool, slots kept whatever their priority (recalled tokens), or None.
+    first: [B] int64, the slot of each row's first own token (after a recall window), or None (0):
+        the sinks are the `sinks` slots from there.
     Returns [..., B, H, max(keep)] int64: per row and head, its sinks, its `recent` newest slots, its
     pinned slots and its highest-priority other slots, ascending; a row keeping fewer than max(keep)
     is padded with slots beyond what it keeps.
@@ -30,7 +33,8 @@ def keep_indices(
     slots = torch.arange(n, device=priority.device)
     length = lengths[:, None, None]
     valid = slots < length
-    protected = (slots < sinks) | (slots >= length - recent) | (keep == lengths)[:, None, None]
+    start = 0 if first is None else first[:, None, None]
+    protected = ((slots >= start) & (slots < start + sinks)) | (slots >= length - recent) | (keep == lengths)[:, None, None]
     if pinned is not None:
         protected = protected | pinned
     ranked = priority.masked_fill(protected, float("inf")).masked_fill(~valid, float("-inf"))

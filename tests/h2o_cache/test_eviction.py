@@ -53,6 +53,20 @@ def test_rows_that_fit_are_kept_whole_beside_rows_that_are_evicted():
     assert keep[0, 0, :3].tolist() == sorted(keep[0, 0, :3].tolist()) and keep[0, 0, 2] == 5
 
 
+def test_behind_a_recall_window_the_sinks_are_each_row_s_first_own_slots():
+    """Rows whose first slots are a pinned recall window (2 and 0 slots): the sinks are the two slots
+    after it, whatever their priority, not the window's first two (which its pins keep anyway)."""
+    priority = torch.ones(2, 1, 8)
+    priority[:, :, 2:4] = 0.0  # the first own slots of row 0 rank last
+    priority[1, :, 0:2] = 0.0  # and those of row 1
+    pinned = torch.zeros(2, 1, 8, dtype=torch.bool)
+    pinned[0, :, :2] = True
+    keep = keep_indices(priority, torch.tensor([8, 8]), torch.tensor([5, 3]), sinks=2, recent=1, width=5,
+                        pinned=pinned, first=torch.tensor([2, 0]))
+    assert keep[0, 0].tolist() == [0, 1, 2, 3, 7]  # the window, the sinks after it, the recent slot
+    assert keep[1, 0, :3].tolist() == [0, 1, 7]
+
+
 def test_accumulate_scores_reduces_over_group_and_queries_but_not_batch():
     probs = torch.zeros(2, 1, 3, 2, 4)  # [B, H_kv, G, C, K]
     probs[0, 0, :, :, 1] = 1.0

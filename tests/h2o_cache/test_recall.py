@@ -726,3 +726,19 @@ def test_a_prefill_pass_hands_each_choosing_row_its_own_queries(monkeypatch):
         assert [row for row, _ in asked] == [0, 2]
         for row, queries in asked:
             assert torch.equal(queries, plain[row:row + 1])
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_a_row_with_a_window_keeps_its_first_tokens_as_sinks(peaked_model, policy):
+    """The sinks are the row's first own tokens (slots recalled .. recalled + sinks - 1), not the
+    window's first slots: after a long prompt and decode steps past the budget, every layer and head
+    still holds the conversation's first four tokens among its own."""
+    gen = Generator(peaked_model, ByteTokenizer(), recall_config(policy=policy, sink_tokens=4))
+    cache = gen.new_cache(1)
+    gen.prefill(cache, [random_tokens(200, seed=3)], recall=True)
+    for token in random_tokens(40, seed=4):
+        gen.step(cache, [[token]])
+    r, n = cache.recalled[0], cache.lengths[0]
+    assert r > 0 and len(cache.archives[0]) > 100
+    own = cache.buffers().origins[:, 0, :, r:n]
+    assert torch.equal(own[..., :4], torch.arange(4).expand_as(own[..., :4]))
