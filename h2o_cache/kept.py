@@ -15,7 +15,7 @@ from h2o_cache.cache import H2OCache
 class HeadKept:
     """One layer and KV head of a row.
 
-    positions: ascending indices, in the row's sequence, of the tokens the head holds (slot order).
+    positions: ascending indices, in the row's sequence, of the tokens the head holds.
     scores: their accumulated attention (fp32 sums over queries and the head's query group); None
         for policies that do not score.
     recalled: those of `positions` the last recall brought back from the archive (pinned until
@@ -50,13 +50,16 @@ def kept_tokens(cache: H2OCache, row: int) -> KeptTokens:
     """Snapshot row `row` of `cache` (between passes, on the thread that runs the model)."""
     n = cache.lengths[row]
     buffers = cache.buffers()
-    origins = buffers.origins[:, row, :, :n].tolist()  # [L, H_kv, n]
-    scores = buffers.scores[:, row, :, :n].tolist() if buffers.scores is not None else None
+    # slot order is the text's order for a row's own tokens, but a recall window comes first, in any
+    # order: each head's tokens are listed by position, their scores and pins with them
+    origins, order = buffers.origins[:, row, :, :n].sort(dim=-1)  # [L, H_kv, n]
+    scores = buffers.scores[:, row, :, :n].gather(-1, order).tolist() if buffers.scores is not None else None
+    origins = origins.tolist()
     config = cache.config
     sinks = min(config.sinks, n) if config.evicts else 0
     recent = min(config.recent, n - sinks) if config.evicts else n
     # [L, H_kv, n] bool, copied only when the row holds recalled tokens.
-    pinned = buffers.pinned[:, row, :, :n].tolist() if cache.recalled[row] else None
+    pinned = buffers.pinned[:, row, :, :n].gather(-1, order).tolist() if cache.recalled[row] else None
     heads = [[HeadKept(positions, None if scores is None else scores[layer][head],
                        [] if pinned is None else [p for p, pin in zip(positions, pinned[layer][head]) if pin])
               for head, positions in enumerate(by_head)] for layer, by_head in enumerate(origins)]

@@ -148,8 +148,13 @@ def test_kept_tokens_names_each_heads_recalled_tokens_and_the_archive(peaked_mod
     kept = kept_tokens(cache, 0)
     assert kept.recalled == cache.recalled[0] == 16 and kept.archived == len(cache.archives[0]) > 0
     pinned = cache._pinned[:, 0, :, :cache.lengths[0]]
+    scores = cache.buffers().scores[:, 0, :, :cache.lengths[0]]
     for layer, heads in enumerate(kept.heads):
         for h, head in enumerate(heads):
             assert len(head.recalled) == 16 and set(head.recalled) < set(head.positions)
-            assert head.recalled == origins(cache, 0)[layer, h][pinned[layer, h]].tolist()
+            assert head.recalled == sorted(origins(cache, 0)[layer, h][pinned[layer, h]].tolist())
+            # listed by position though the window's slots come first: each score stays with its token
+            assert head.positions == sorted(head.positions)
+            by_origin = dict(zip(origins(cache, 0)[layer, h].tolist(), scores[layer, h].tolist()))
+            assert head.scores == [by_origin[p] for p in head.positions]
             assert not set(head.recalled) & set(head.positions[-kept.recent:])  # recalled tokens are old ones
