@@ -61,7 +61,7 @@ class _Placement(ctypes.Structure):
 
 def supports(cache) -> bool:
     """Whether the kernel is to choose and place this cache's windows: asked for
-    (`CacheConfig.recall_kernel`), fp32 buffers and archive on the CPU, rolling, RoPE's frequencies
+    (`CacheConfig.recall_kernel`), fp32 buffers on the CPU (the archive fp32 or fp16), rolling, RoPE's frequencies
     known and <= 1 (`RopeTable.placeable`: the window's keys are placed by position x frequency),
     head_dim a multiple of 8, and the kernel built."""
     spec = cache.spec

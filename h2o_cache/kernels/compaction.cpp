@@ -26,6 +26,8 @@
 #include <numeric>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
 
 // The buffers of an H2OCache ([layers, rows, kv_heads, capacity, dim], contiguous) and one eviction.
@@ -96,19 +98,6 @@ struct Dropping {
     int64_t out_capacity, offset, threads, out_fp16;
 };
 
-// out[0..d) <- x[0..d) in fp16, rounded to nearest even; d a multiple of 8.
-inline void narrow(const float* x, uint16_t* out, int64_t d) {
-    for (int64_t i = 0; i < d; i += 8)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// x[0..d) (fp16) -> out, widened exactly; d a multiple of 8.
-inline void widen(const uint16_t* x, float* out, int64_t d) {
-    for (int64_t i = 0; i < d; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
-}
-
 int archive_dropped(const Dropping& s) {
     const int64_t tasks = s.layers * s.heads, D = s.dim, C = s.capacity;
     if (s.length > C || s.offset + s.dropped > s.out_capacity || (s.out_fp16 && D % 8)) return 1;
@@ -131,8 +120,8 @@ int archive_dropped(const Dropping& s) {
                 if (kept[slot]) continue;
                 if (m == s.dropped) { m = -1; break; }
                 if (s.out_fp16) {
-                    narrow(s.keys + (at * C + slot) * D, static_cast<uint16_t*>(s.out_keys) + (out + m) * D, D);
-                    narrow(s.values + (at * C + slot) * D, static_cast<uint16_t*>(s.out_values) + (out + m) * D, D);
+                    narrow_fp16(s.keys + (at * C + slot) * D, static_cast<uint16_t*>(s.out_keys) + (out + m) * D, D);
+                    narrow_fp16(s.values + (at * C + slot) * D, static_cast<uint16_t*>(s.out_values) + (out + m) * D, D);
                 } else {
                     memcpy(static_cast<float*>(s.out_keys) + (out + m) * D, s.keys + (at * C + slot) * D, D * sizeof(float));
                     memcpy(static_cast<float*>(s.out_values) + (out + m) * D, s.values + (at * C + slot) * D, D * sizeof(float));
@@ -203,10 +192,10 @@ int form_blocks(const Forming& s) {
                 const int64_t at = (head * s.capacity + b * B) * D;  // the block's first value
                 const float* k = wide.data();
                 if (s.fp16) {  // digests of the fp16 keys, widened exactly (the keys the choice ranks)
-                    widen(static_cast<const uint16_t*>(s.keys) + at, wide.data(), B * D);
+                    widen_fp16(static_cast<const uint16_t*>(s.keys) + at, wide.data(), B * D);
                 } else {
                     k = static_cast<const float*>(s.keys) + at;
-                    narrow(k, s.half + at, B * D);
+                    narrow_fp16(k, s.half + at, B * D);
                 }
                 float* lo = s.lo + (head * s.digest_capacity + b) * D;
                 float* hi = s.hi + (head * s.digest_capacity + b) * D;

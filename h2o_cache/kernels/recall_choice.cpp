@@ -434,12 +434,8 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
         const float* k = reinterpret_cast<const float*>(keys + token * D * bytes);
         const float* v = reinterpret_cast<const float*>(values + token * D * bytes);
         if (narrow) {
-            const uint16_t* k16 = reinterpret_cast<const uint16_t*>(keys) + token * D;
-            const uint16_t* v16 = reinterpret_cast<const uint16_t*>(values) + token * D;
-            for (int64_t d = 0; d < D; d += 8) {
-                _mm256_storeu_ps(widened + d, load8_16(k16 + d, false));
-                _mm256_storeu_ps(widened + 512 + d, load8_16(v16 + d, false));
-            }
+            widen_fp16(reinterpret_cast<const uint16_t*>(keys) + token * D, widened, D);
+            widen_fp16(reinterpret_cast<const uint16_t*>(values) + token * D, widened + 512, D);
             k = widened;
             v = widened + 512;
         }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <immintrin.h>
+#include <stdint.h>
 
 namespace {
 
@@ -29,6 +30,19 @@ inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// out[0..d) <- x[0..d) in fp16, rounded to nearest even (as torch's half()); d a multiple of 8.
+inline void narrow_fp16(const float* x, uint16_t* out, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// out[0..d) <- x[0..d) (fp16) widened exactly to fp32; d a multiple of 8.
+inline void widen_fp16(const uint16_t* x, float* out, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
 }
 
 }  // namespace
