@@ -62,10 +62,8 @@ def decoder_of(gen: Generator, config: CacheConfig, history: H2OCache, turn: lis
     return decoder
 
 
-def decode_times(gen: Generator, configs: dict[str, CacheConfig], rows: dict[str, H2OCache], turn: list[int],
-                 batch: int, reps: int, steps: int) -> dict[str, list[float]]:
-    decoders = {name: decoder_of(gen, config, rows[name], turn, batch, steps) for name, config in configs.items()}
-    times = {name: [] for name in configs}
+def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int) -> dict[str, list[float]]:
+    times = {name: [] for name in decoders}
     for _ in range(reps):
         for name, decoder in decoders.items():
             times[name].append(greedy_step_seconds(decoder.step, decoder.cache, steps))
@@ -86,11 +84,9 @@ def step_kinds(decoder: StaticDecoder, steps: int) -> dict[str, list[float]]:
     return times
 
 
-def step_table(gen: Generator, configs: dict[str, CacheConfig], rows: dict[str, H2OCache], turn: list[int],
-               batch: int, reps: int, steps: int) -> list[list]:
+def step_table(decoders: dict[str, StaticDecoder], batch: int, reps: int, steps: int) -> list[list]:
     """Rows of medians by kind of step (`step_kinds`), the configurations interleaved `reps` times."""
-    decoders = {name: decoder_of(gen, config, rows[name], turn, batch, steps) for name, config in configs.items()}
-    times = {name: {"plain": [], "choosing": [], "evicting": []} for name in configs}
+    times = {name: {"plain": [], "choosing": [], "evicting": []} for name in decoders}
     for _ in range(reps):
         for name, decoder in decoders.items():
             for kind, seconds in step_kinds(decoder, steps).items():
@@ -157,9 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     setup = (f"{args.threads} threads, {next(model.parameters()).dtype}, {gen.spec.device.type}, budget {args.budget}, "
              f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens")
 
-    table = []
+    table, by_step = [], []
     for batch in args.batch_sizes:
-        times = decode_times(gen, configs, rows, turn, batch, args.reps, args.steps)
+        decoders = {name: decoder_of(gen, config, rows[name], turn, batch, args.steps) for name, config in configs.items()}
+        times = decode_times(decoders, args.reps, args.steps)
         for name in configs:
             if name == "off":
                 continue
@@ -168,10 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             table.append([f"decode step, batch {batch}, {name}", 1e3 * statistics.median(times["off"]),
                           1e3 * statistics.median(times[name]), ratio, "<= 1.25" if judged else "",
                           ("met" if ratio <= 1.25 else "MISSED") if judged else ""])
-    by_step = []
-    if args.by_step:
-        for batch in args.batch_sizes:
-            by_step += step_table(gen, configs, rows, turn, batch, args.reps, args.steps)
+        if args.by_step:  # the same decoders, on from where the windows above left them
+            by_step += step_table(decoders, batch, args.reps, args.steps)
     if args.prefill_reps:  # 0: decode only
         prompt = torch.randint(3, vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
         chunk = max(1, args.budget // 2)  # the server's chunk with recall
