@@ -92,6 +92,7 @@ class H2OCache:
         self._queries: torch.Tensor | None = None
         self._keeps_scratch = False  # see `reserve`
         self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`compaction.kept_vectors`)
+        self._window_copy: recall.WindowCopy | None = None  # see `keep_window_copy`
         self.archives: list[Archive | None] = []
         self.recalled: list[int] = []
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
@@ -186,6 +187,7 @@ class H2OCache:
             self._queries[:, dst] = src._queries[:, src_row]
         if self._pinned is not None:
             self._pinned[:, dst, :, length:] = False
+        self.window_changed(dst)
 
     def reserve(self, rows: int, capacity: int, scratch: bool = False) -> None:
         """Allocate room for `rows` rows of `capacity` tokens now, so no later pass reallocates.
@@ -230,6 +232,27 @@ class H2OCache:
             for new, previous in zip(self._buffers(), old):
                 new[:, :keep_rows, :, :keep_len] = previous[:, :keep_rows, :, :keep_len]
         self._rows_capacity, self._capacity = rows, capacity
+        if self._window_copy is not None and self._window_copy.data.shape[2] < rows:
+            self._window_copy = recall.WindowCopy(self, rows)
+
+    def keep_window_copy(self) -> None:
+        """Keep an fp16 copy of every row's recall window (`recall.WindowCopy`) for a step that reads
+        the window from it (the CPU's native step); with recall in an fp32 cache only."""
+        if self.config.recalls and self.spec.dtype == torch.float32 and self._window_copy is None:
+            self._window_copy = recall.WindowCopy(self, self._rows_capacity)
+
+    def window_changed(self, row: int) -> None:
+        """Row `row`'s window was written: its copy (where one is kept) is copied again before it is read."""
+        if self._window_copy is not None:
+            self._window_copy.stale.add(row)
+
+    def window_copy(self, current: bool = True) -> torch.Tensor | None:
+        """[2, L, rows, H_kv, recall_budget, D] fp16, every row's window (rotated keys, values) as it is
+        now (current False: as it is, for a writer that keeps it equal to the window where it was), or
+        None where no copy is kept."""
+        if self._window_copy is None:
+            return None
+        return self._window_copy.current(self) if current else self._window_copy.data
 
     # ----- one forward pass (`h2o_cache.forward_pass`) ---------------------------------------------
 
@@ -371,6 +394,7 @@ class H2OCache:
         return sum(a.nbytes for a in archives if a is not None)
 
     def allocated_bytes(self) -> int:
-        """Bytes of the buffers and of the eviction's scratch, when the cache keeps one (`reserve`)."""
-        scratch = [self._scratch] if self._scratch is not None else []
-        return sum(t.numel() * t.element_size() for t in self._buffers() + scratch)
+        """Bytes of the buffers, of the eviction's scratch when the cache keeps one (`reserve`) and of
+        the window's fp16 copy when it keeps one (`keep_window_copy`)."""
+        extra = [t for t in (self._scratch, self._window_copy and self._window_copy.data) if t is not None]
+        return sum(t.numel() * t.element_size() for t in self._buffers() + extra)

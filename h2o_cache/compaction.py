@@ -64,8 +64,8 @@ def evict(cache: H2OCache, rows: list[int]) -> None:
         move_kept(cache, picked, row_ids, index, still, target)
     for row, n in zip(rows, keep):
         cache.lengths[row] = n
-    if config.recalls:  # the rows' own tokens moved: their windows' places among them with them
-        recall.place(cache, rows)
+    if config.recalls:  # the rows' own tokens moved: their windows' places among them with them (the
+        recall.place(cache, rows)  # window slots moved above did not: their values and copies stand)
 
 
 def move_kept(cache: H2OCache, picked: slice | torch.Tensor, row_ids: torch.Tensor, index: torch.Tensor,

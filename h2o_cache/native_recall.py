@@ -47,7 +47,9 @@ class _Choice(ctypes.Structure):
                    ("score_head_stride", ctypes.c_int64), ("cache_origins", ctypes.c_void_p),
                    ("origin_layer_stride", ctypes.c_int64), ("origin_head_stride", ctypes.c_int64),
                    ("held", ctypes.c_void_p), ("frequencies", ctypes.c_void_p), ("length", ctypes.c_int64),
-                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("archive_fp16", ctypes.c_int64)])
+                   ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("archive_fp16", ctypes.c_int64),
+                   ("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p),
+                   ("window_layer_stride", ctypes.c_int64), ("window_head_stride", ctypes.c_int64)])
 
 
 class _Placement(ctypes.Structure):
@@ -56,7 +58,9 @@ class _Placement(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("layers", "rows_capacity", "heads", "capacity", "dim")]
                 + [(name, ctypes.c_void_p) for name in ("keys", "rotated", "origins", "cos", "sin", "frequencies",
                                                         "row_ids", "recalled", "lengths")]
-                + [(name, ctypes.c_int64) for name in ("rows", "threads")])
+                + [(name, ctypes.c_int64) for name in ("rows", "threads")]
+                + [("window_keys", ctypes.c_void_p)]
+                + [(name, ctypes.c_int64) for name in ("window_layer_stride", "window_row_stride", "window_head_stride")])
 
 
 def supports(cache) -> bool:
@@ -148,6 +152,10 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
             score_head_stride=0 if scores is None else scores.stride(2),
             cache_origins=origins[first, row].data_ptr(), origin_layer_stride=origins.stride(0),
             origin_head_stride=origins.stride(2))
+        copy = cache.window_copy(current=False)  # kept equal to the window where it was: the kernel writes both
+        if copy is not None:
+            fields |= dict(window_keys=copy[0, first, row].data_ptr(), window_values=copy[1, first, row].data_ptr(),
+                           window_layer_stride=copy.stride(1), window_head_stride=copy.stride(3))
     choice = _Choice(**fields)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
@@ -171,6 +179,10 @@ def place(cache, rows: list[int]) -> None:
                      cos=cos.data_ptr(), sin=sin.data_ptr(), frequencies=cache.spec.rope.frequencies.data_ptr(),
                      row_ids=row_ids.data_ptr(), recalled=recalled.data_ptr(), lengths=lengths.data_ptr(),
                      rows=len(rows), threads=torch.get_num_threads())
+    copy = cache.window_copy(current=False)  # the windows' keys rewritten there too
+    if copy is not None:
+        job.window_keys = copy[0].data_ptr()
+        job.window_layer_stride, job.window_row_stride, job.window_head_stride = copy.stride(1), copy.stride(2), copy.stride(3)
     status = kernel().h2o_recall_place(ctypes.byref(job))
     if status:
         raise ValueError(f"the native placement refused its input (status {status})")

@@ -187,7 +187,10 @@ class StepLayout(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in ("keys", "values", "rotated", "scores", "origins")]
                 + [(name, ctypes.c_int64) for name in ("kv_layer_stride", "kv_row_stride", "score_layer_stride",
                                                        "score_row_stride", "origin_layer_stride", "origin_row_stride")]
-                + [("queries", ctypes.c_void_p), ("query_layer_stride", ctypes.c_int64), ("activations", ctypes.c_int64)])
+                + [("queries", ctypes.c_void_p), ("query_layer_stride", ctypes.c_int64), ("activations", ctypes.c_int64)]
+                + [("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p)]
+                + [(name, ctypes.c_int64) for name in ("window_layer_stride", "window_row_stride", "window_capacity")]
+                + [("recalled", ctypes.c_void_p)])
 
 
 class NativeStep:
@@ -202,11 +205,15 @@ class NativeStep:
     """
 
     def __init__(self, weights, buffers, cos: torch.Tensor, sin: torch.Tensor, max_rows: int,
-                 queries: torch.Tensor | None = None, activations: str = EXACT):
+                 queries: torch.Tensor | None = None, activations: str = EXACT, window: torch.Tensor | None = None):
         """queries: [L, max_rows, H_q, D] fp32 contiguous, where every step leaves each row's queries
-        before RoPE (to choose recall windows), or None."""
+        before RoPE (to choose recall windows), or None. window: the cache's fp16 copy of its recall
+        windows (`H2OCache.window_copy`, [2, L, rows, H_kv, R, D]), which the step then reads for
+        slots 0 .. recalled[b] - 1 of row b (the `recalled` argument of each call), or None."""
         self.activations = activations
-        self._keep = (weights, buffers, cos, sin, queries)  # the kernel reads these through raw pointers
+        self._keep = (weights, buffers, cos, sin, queries, window)  # the kernel reads these through raw pointers
+        self.window = window
+        self.recalled = torch.zeros(max_rows, dtype=torch.int64)
         layers = weights.layers
         products = {id(m): m.product_blocks(activations) for lw in layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)}
         head_kind, head_blocks = weights.lm_head.product_blocks(activations)
@@ -235,7 +242,12 @@ class NativeStep:
             score_row_stride=0 if buffers.scores is None else buffers.scores.stride(1),
             origin_layer_stride=buffers.origins.stride(0), origin_row_stride=buffers.origins.stride(1),
             queries=None if queries is None else queries.data_ptr(),
-            query_layer_stride=0 if queries is None else queries.stride(0), activations=ACTIVATIONS[activations])
+            query_layer_stride=0 if queries is None else queries.stride(0), activations=ACTIVATIONS[activations],
+            window_keys=None if window is None else window[0].data_ptr(),
+            window_values=None if window is None else window[1].data_ptr(),
+            window_layer_stride=0 if window is None else window.stride(1),
+            window_row_stride=0 if window is None else window.stride(2),
+            window_capacity=0 if window is None else window.shape[4], recalled=self.recalled.data_ptr())
         self.logits = torch.empty(max_rows, self.layout.vocab)
 
     @staticmethod
@@ -255,9 +267,14 @@ class NativeStep:
                 and weights.embed.shape[0] == weights.lm_head.out_features
                 and weights.embed.shape[1] % BLOCK == 0 and weights.layers[0].down.in_features % BLOCK == 0)
 
-    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] (a view of a buffer the next call overwrites) for int64 CPU tensors [B]."""
+    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor,
+                 recalled: list[int] | None = None) -> torch.Tensor:
+        """Logits [B, V] (a view of a buffer the next call overwrites) for int64 CPU tensors [B];
+        recalled: each row's window slots, read from the window's copy (with `window`; else none)."""
         b = tokens.shape[0]
+        self.recalled[:b] = 0
+        if self.window is not None and recalled:
+            self.recalled[:len(recalled)] = torch.tensor(recalled, dtype=torch.int64)
         self.layout.threads = torch.get_num_threads()
         status = kernel().h2o_decode_step(ctypes.byref(self.layout), tokens.data_ptr(), slots.data_ptr(),
                                           origins.data_ptr(), b, self.logits.data_ptr())

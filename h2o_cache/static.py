@@ -96,8 +96,10 @@ class StaticDecoder:
         if native is not False and self.quantized_weights is not None:
             args = (self.quantized_weights, self.cache.buffers(), self._cos, self._sin)
             if NativeStep.supports(*args):
+                self.cache.keep_window_copy()  # with recall: the step reads the windows in fp16
                 self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries,
-                                         activations=EXACT if exact else fastest_activations())
+                                         activations=EXACT if exact else fastest_activations(),
+                                         window=self.cache.window_copy())
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
         # A bucket's tokens, slots and origins ([3, bucket]; with rolling a new token's RoPE position is
@@ -158,7 +160,9 @@ class StaticDecoder:
     def _run(self, bucket: int) -> torch.Tensor:
         tokens, slots, origins = self.inputs(bucket)
         if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
-            return self.native(tokens, slots, origins)
+            if self.native.window is not None and self.cache.window_copy() is not self.native.window:
+                raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
+            return self.native(tokens, slots, origins, self.cache.recalled)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights

@@ -11,12 +11,13 @@ import torch
 torch.set_num_threads(2)
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128, init_std: float = 0.02):
+def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 128, init_std: float = 0.02,
+               hidden: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=init_std,
     )

@@ -236,6 +236,13 @@ struct Layout {
     float* queries;                    // may be null; else [layers, rows, heads, head_dim]: each row's
     int64_t query_layer_stride;        // queries before RoPE (what chooses a recall window)
     int64_t activations;               // EXACT, INT8_AVX2 or INT8_VNNI: how products take their input
+    // May be null: else an fp16 copy of every row's recall window ([layers, rows, kv_heads,
+    // window_capacity, head_dim] each, strides in elements), equal to slots 0 .. recalled[b] - 1 of
+    // `rotated` and `values` (which hold fp16 values there), read instead of them: half the bytes.
+    const uint16_t* window_keys;
+    const uint16_t* window_values;
+    int64_t window_layer_stride, window_row_stride, window_capacity;
+    const int64_t* recalled;           // [B]: row b's window slots
 };
 
 // transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n: a multiple of 8.
@@ -255,25 +262,6 @@ inline void rope(const float* x, const float* cos, const float* sin, float* out,
     const int64_t half = d / 2;
     for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
     for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
-}
-
-inline float dot(const float* a, const float* b, int64_t d) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum8(acc);
-}
-
-// q . k for 8 consecutive keys (rows of `keys`, d apart), in one vector: lane j is dot(q, key j).
-inline __m256 dot8(const float* q, const float* keys, int64_t d) {
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qi = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(keys + j * d + i), a[j]);
-    }
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // p[0..n) = softmax(p[0..n)) in fp32; p has room for n rounded up to 8.
@@ -298,18 +286,113 @@ inline void softmax(float* p, int64_t n) {
     for (int64_t t = 0; t < n; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv));
 }
 
-// out[0..d) = sum over t < n of p[t] * values[t], values d apart; d a multiple of 8.
-inline void weighted_sum(const float* p, const float* values, int64_t n, int64_t d, float* out) {
-    for (int64_t i = 0; i < d; i += 64) {
-        const int w = static_cast<int>((d - i < 64 ? d - i : 64) / 8);
-        __m256 a[8];
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; ++t) {
-            const __m256 pt = _mm256_set1_ps(p[t]);
-            const float* v = values + t * d + i;
-            for (int j = 0; j < w; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), a[j]);
+// 8 fp32 values from fp32 or (widened exactly) fp16 storage.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+    return hsum8(acc);
+}
+
+// p[g * stride + t] = scale * (q_g . key t) for the GQ queries q_g = q + g d and the keys t in
+// [from, to) (rows of `keys`, fp32 or fp16, d apart; d a multiple of 8): a KV head's query group at
+// once, so each key is read (and widened) once for the group, not once per query.
+template <int GQ, typename T>
+inline void group_logits(const float* q, const T* keys, int64_t from, int64_t to, int64_t d, float scale,
+                         float* p, int64_t stride) {
+    const __m128 factor = _mm_set1_ps(scale);
+    int64_t t = from;
+    for (; t + 4 <= to; t += 4) {
+        __m256 a[GQ][4];
+        for (int g = 0; g < GQ; ++g)
+            for (int k = 0; k < 4; ++k) a[g][k] = _mm256_setzero_ps();
+        const T* key = keys + t * d;
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 qi[GQ];
+            for (int g = 0; g < GQ; ++g) qi[g] = _mm256_loadu_ps(q + g * d + i);
+            for (int k = 0; k < 4; ++k) {
+                const __m256 ki = load8(key + k * d + i);
+                for (int g = 0; g < GQ; ++g) a[g][k] = _mm256_fmadd_ps(qi[g], ki, a[g][k]);
+            }
         }
-        for (int j = 0; j < w; ++j) _mm256_storeu_ps(out + i + 8 * j, a[j]);
+        for (int g = 0; g < GQ; ++g) {  // lane k of the sum: key t + k
+            const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+            _mm_storeu_ps(p + g * stride + t, _mm_mul_ps(four, factor));
+        }
+    }
+    for (; t < to; ++t)
+        for (int g = 0; g < GQ; ++g) p[g * stride + t] = dot(q + g * d, keys + t * d, d) * scale;
+}
+
+// a[g] += sum over t in [from, to) of p[g * stride + t] * features i .. i + 8 W of value t (rows of
+// `values`, fp32 or fp16, d apart), for GQ rows of probabilities.
+template <int GQ, int W, typename T>
+inline void group_weighted_add(const float* p, int64_t stride, const T* values, int64_t from, int64_t to, int64_t d,
+                               int64_t i, __m256 (&a)[GQ][W]) {
+    for (int64_t t = from; t < to; ++t) {
+        const T* v = values + t * d + i;
+        __m256 pt[GQ];
+        for (int g = 0; g < GQ; ++g) pt[g] = _mm256_set1_ps(p[g * stride + t]);
+        for (int j = 0; j < W; ++j) {
+            const __m256 vj = load8(v + 8 * j);
+            for (int g = 0; g < GQ; ++g) a[g][j] = _mm256_fmadd_ps(pt[g], vj, a[g][j]);
+        }
+    }
+}
+
+// Features i .. i + 8 W of out_g = sum over t < n of p[g * stride + t] * value t, for GQ rows of
+// probabilities: values below r from `window` (fp16), the others from `values` (slot 0 first), d apart.
+template <int GQ, int W>
+inline void group_weighted_chunk(const float* p, int64_t stride, const uint16_t* window, int64_t r, const float* values,
+                                 int64_t n, int64_t d, int64_t i, float* out) {
+    __m256 a[GQ][W];
+    for (int g = 0; g < GQ; ++g)
+        for (int j = 0; j < W; ++j) a[g][j] = _mm256_setzero_ps();
+    group_weighted_add<GQ, W>(p, stride, window, 0, r, d, i, a);
+    group_weighted_add<GQ, W>(p, stride, values, r, n, d, i, a);
+    for (int g = 0; g < GQ; ++g)
+        for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + g * d + i + 8 * j, a[g][j]);
+}
+
+// out_g[0..d) (out_g = out + g d) for the GQ rows of probabilities (see group_weighted_chunk); each
+// value read once for the group. d a multiple of 8.
+template <int GQ>
+inline void group_weighted_sum(const float* p, int64_t stride, const uint16_t* window, int64_t r, const float* values,
+                               int64_t n, int64_t d, float* out) {
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) group_weighted_chunk<GQ, 4>(p, stride, window, r, values, n, d, i, out);
+    for (; i + 8 <= d; i += 8) group_weighted_chunk<GQ, 1>(p, stride, window, r, values, n, d, i, out);
+}
+
+// A KV head's attention for its query group (q: G rows of d, rotated): p (G rows, stride apart) takes
+// the softmax weights over slots 0..n-1 (those below r read from `window`, the others from the cache's
+// `keys` and `values`, slot 0 first), out the G outputs. Up to three queries share a pass over the keys.
+inline void group_attention(const float* q, int64_t G, const uint16_t* window_keys, const uint16_t* window_values, int64_t r,
+                            const float* keys, const float* values, int64_t n, int64_t d, float scale, float* p,
+                            int64_t stride, float* out) {
+    for (int64_t g = 0; g < G; g += 3) {
+        const int64_t m = G - g < 3 ? G - g : 3;
+        const float* qg = q + g * d;
+        float* pg = p + g * stride;
+        float* og = out + g * d;
+        switch (m) {
+            case 3: group_logits<3>(qg, window_keys, 0, r, d, scale, pg, stride);
+                    group_logits<3>(qg, keys, r, n, d, scale, pg, stride); break;
+            case 2: group_logits<2>(qg, window_keys, 0, r, d, scale, pg, stride);
+                    group_logits<2>(qg, keys, r, n, d, scale, pg, stride); break;
+            default: group_logits<1>(qg, window_keys, 0, r, d, scale, pg, stride);
+                     group_logits<1>(qg, keys, r, n, d, scale, pg, stride);
+        }
+        for (int64_t j = 0; j < m; ++j) softmax(pg + j * stride, n);
+        switch (m) {
+            case 3: group_weighted_sum<3>(pg, stride, window_values, r, values, n, d, og); break;
+            case 2: group_weighted_sum<2>(pg, stride, window_values, r, values, n, d, og); break;
+            default: group_weighted_sum<1>(pg, stride, window_values, r, values, n, d, og);
+        }
     }
 }
 
@@ -336,16 +419,15 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
             memcpy(s.values + at + slot * D, x + (H + Hkv + h) * D, D * sizeof(float));
             if (s.queries)
                 memcpy(s.queries + layer * s.query_layer_stride + (b * H + h * G) * D, x + h * G * D, G * D * sizeof(float));
-            for (int64_t g = 0; g < G; ++g) {
-                const float* qg = q.data() + g * D;
-                float* p = probs.data() + g * padded;
-                rope(x + (h * G + g) * D, cos, sin, q.data() + g * D, D);
-                int64_t t = 0;
-                for (; t + 8 <= n; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(dot8(qg, keys + t * D, D), _mm256_set1_ps(scaling)));
-                for (; t < n; ++t) p[t] = dot(qg, keys + t * D, D) * scaling;
-                softmax(p, n);
-                weighted_sum(p, values, n, D, out + b * H * D + (h * G + g) * D);
-            }
+            // the window's slots from its fp16 copy (the same values: half the bytes from memory; the
+            // loops widen them), the row's own from the cache
+            const int64_t r = s.window_keys ? s.recalled[b] : 0;
+            const int64_t at16 = r ? layer * s.window_layer_stride + b * s.window_row_stride + h * s.window_capacity * D : 0;
+            const uint16_t* window_keys = r ? s.window_keys + at16 : nullptr;
+            const uint16_t* window_values = r ? s.window_values + at16 : nullptr;
+            for (int64_t g = 0; g < G; ++g) rope(x + (h * G + g) * D, cos, sin, q.data() + g * D, D);
+            group_attention(q.data(), G, window_keys, window_values, r, keys, values, n, D, scaling, probs.data(),
+                            padded, out + b * H * D + h * G * D);
             if (s.scores) {
                 float* scores = s.scores + layer * s.score_layer_stride + b * s.score_row_stride + h * cap;
                 scores[slot] = 0.0f;
@@ -474,6 +556,8 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
     for (int64_t b = 0; b < B; ++b) {
         if (tokens[b] < 0 || tokens[b] >= s.vocab) return 3;
         if (slots[b] < 0 || slots[b] >= s.capacity || slots[b] >= s.positions) return 4;
+        if (s.window_keys && (s.recalled[b] < 0 || s.recalled[b] > s.window_capacity || s.recalled[b] > slots[b]))
+            return 7;
     }
     const int threads = static_cast<int>(s.threads);
     const float eps = static_cast<float>(s.eps);
@@ -528,7 +612,7 @@ int h2o_has_vnni() { return has_vnni(); }
 // One decode step of B rows (see Layout): feeds tokens[b] to row b at slot slots[b] (also its RoPE
 // position), writing origins[b] as that slot's origin; logits: [B, vocab]. Returns 0, or nonzero
 // (nothing meaningful written) for shapes it cannot run, a token outside the vocabulary (3) or a
-// slot outside the cache (4).
+// slot outside the cache (4) or a recall window that does not fit its copy or its row (7).
 int h2o_decode_step(const Layout* layout, const int64_t* tokens, const int64_t* slots, const int64_t* origins,
                     int64_t B, float* logits) {
     return decode_step(*layout, tokens, slots, origins, B, logits);

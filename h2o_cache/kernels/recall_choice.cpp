@@ -60,6 +60,9 @@ struct Choice {
     const uint16_t* half;  // [L, H, capacity, D]: the keys of the full blocks in 16 bits, for ranking
     int64_t half_bf16;     // half holds bf16 (a bf16 archive ranks by its own keys), else fp16
     int64_t archive_fp16;  // keys and values hold fp16 (an fp32 cache's archive), widened as copied
+    uint16_t* window_keys;  // nullable: the window's fp16 copy (`recall.WindowCopy`), kept equal to
+    uint16_t* window_values;  // cache_rotated and cache_values at l * window_layer_stride + h * window_head_stride + j * D
+    int64_t window_layer_stride, window_head_stride;
 };
 // cache_keys null: only `held` and `written` are written, and cos, sin, frequencies, keys, values and
 // the cache's pointers are not read (a window on a device: the slots that changed are copied there).
@@ -441,9 +444,16 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
         }
         memcpy(c.cache_keys + at + j * D, k, D * sizeof(float));
         memcpy(c.cache_values + at + j * D, v, D * sizeof(float));
+        if (!narrow) round_fp16(c.cache_values + at + j * D, D);  // a window holds fp16 values (`recall.stored`)
         const TextPosition place = text_position(cache_origins + r, c.length - r, origins[token], r);
         rotate_placed(k, c.cos + place.slot * D, c.sin + place.slot * D, c.frequencies, place.share,
                       c.cache_rotated + at + j * D, D);
+        round_fp16(c.cache_rotated + at + j * D, D);
+        if (c.window_keys) {  // exact: both hold fp16 values
+            const int64_t at16 = layer * c.window_layer_stride + h * c.window_head_stride + j * D;
+            narrow_fp16(c.cache_rotated + at + j * D, c.window_keys + at16, D);
+            narrow_fp16(c.cache_values + at + j * D, c.window_values + at16, D);
+        }
         cache_origins[j] = origins[token];
         if (scores) scores[j] = 0.0f;
     }
@@ -688,7 +698,9 @@ struct Placement {
     const int64_t* recalled;
     const int64_t* lengths;
     int64_t rows, threads;
-};
+    uint16_t* window_keys;      // nullable: the windows' fp16 copy of `rotated` (`recall.WindowCopy`), slot j
+    int64_t window_layer_stride, window_row_stride, window_head_stride;  // of layer l, row, head h at
+};                              // l * window_layer_stride + row * window_row_stride + h * window_head_stride + j * dim
 
 int place(const Placement& p) {
     const int64_t tasks = p.layers * p.rows * p.heads, D = p.dim;
@@ -703,6 +715,10 @@ int place(const Placement& p) {
             const TextPosition at = text_position(origins + r, p.lengths[i] - r, origins[j], r);
             rotate_placed(p.keys + (base + j) * D, p.cos + at.slot * D, p.sin + at.slot * D, p.frequencies, at.share,
                           p.rotated + (base + j) * D, D);
+            round_fp16(p.rotated + (base + j) * D, D);  // as every window key (`recall.stored`)
+            if (p.window_keys)
+                narrow_fp16(p.rotated + (base + j) * D, p.window_keys + l * p.window_layer_stride
+                            + p.row_ids[i] * p.window_row_stride + h * p.window_head_stride + j * D, D);
         }
     }
     return 0;

@@ -39,6 +39,13 @@ inline void narrow_fp16(const float* x, uint16_t* out, int64_t d) {
                          _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// x[0..d) <- x rounded to fp16 (nearest even) and widened back, in place; d a multiple of 8.
+inline void round_fp16(float* x, int64_t d) {
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
 // out[0..d) <- x[0..d) (fp16) widened exactly to fp32; d a multiple of 8.
 inline void widen_fp16(const uint16_t* x, float* out, int64_t d) {
     for (int64_t i = 0; i < d; i += 8)

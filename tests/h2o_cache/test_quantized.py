@@ -184,6 +184,43 @@ def test_a_matrix_that_differs_from_the_loaded_weights_stays_dense(gguf_model):
     assert decoder.native is None  # a dense matrix: the step stays in torch ops
 
 
+@pytest.mark.parametrize("recall", [False, True])
+@pytest.mark.parametrize("hidden, heads, kv_heads", [(64, 1, 1), (64, 2, 1), (96, 3, 1), (64, 4, 1)])
+def test_the_native_step_attends_as_the_torch_ops_for_every_query_group(tmp_path, hidden, heads, kv_heads, recall):
+    """The native step's attention takes a KV head's query group up to three queries at a time, each
+    key and value read once for them: groups of 1, 2, 3 and 4 (3 + 1) queries, head_dim 64, 32 and
+    16, rows whose slot counts are not multiples of 4, with recall a window read from its fp16 copy;
+    the logits are the torch ops' step's (fp32, in another order of sums)."""
+    model = tiny_llama(init_std=0.3, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    model.gguf_path = tmp_path / "tiny.gguf"
+    gguf_llama(model.gguf_path, model)
+    settings = dict(policy="h2o", budget=16, evict_slack=3, prefill_chunk=8)
+    if recall:
+        settings.update(budget=32, evict_slack=4, recall_budget=16, recall_block=4, recall_probe=6, recall_interval=3)
+    config = CacheConfig(**settings)
+    gen = Generator(model, ByteTokenizer(), config)
+    native = StaticDecoder(model, config, max_rows=4, exact=True)
+    ops = StaticDecoder(model, config, max_rows=4, native=False)
+    assert native.native is not None and ops.native is None
+    assert (native.native.window is not None) == recall
+    for i, n in enumerate((70, 81, 95) if recall else (5, 11, 18)):
+        row = gen.new_cache(1)
+        logits = gen.prefill(row, [[3 + (7 * j + i) % 120 for j in range(n)]], recall=recall)
+        row.pending = [[int(logits[0].argmax())]]
+        for decoder in (native, ops):
+            decoder.cache.extend(row)
+    slots = set()
+    for _ in range(12):
+        slots.update(n + 1 for n in native.cache.lengths)  # what this step attends over
+        by_native, by_ops = native.step(), ops.step()
+        torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        for decoder in (native, ops):
+            decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
+    assert native.cache.lengths == ops.cache.lengths and {n % 4 for n in slots} == {0, 1, 2, 3}
+    if recall:
+        assert all(r == 16 for r in native.cache.recalled)
+
+
 def test_the_quantized_fast_path_decodes_the_transformers_path_s_tokens(gguf_model):
     """Rows join and leave, evict at different steps and run in padded buckets, as in the engine: 256
     steps of the exact native step against the transformers path."""

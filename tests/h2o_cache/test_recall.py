@@ -11,6 +11,7 @@ import torch
 from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall, selection
 from h2o_cache.cache import FIRST
 from h2o_cache.rope import rotate
+from h2o_cache.quantized import NativeStep
 from tests.conftest import ByteTokenizer, tiny_llama
 
 
@@ -86,9 +87,14 @@ def assert_window_holds_archive_tokens(model, cache, row: int) -> None:
         placed = text_order_positions(state["origins"], r)
         x = torch.zeros(1, 1, state["keys"].shape[-1])
         cos, sin = (t[0].view(*placed.shape, -1) for t in model.model.rotary_emb(x, placed.reshape(1, -1).float()))
-        # atol 5e-5: the kernel takes cos and sin of fractional position x frequency in fp32 itself
-        torch.testing.assert_close(state["rotated"][:, :, :r], rotate(state["keys"][:, :, :r], cos, sin),
-                                   rtol=1e-5, atol=5e-5)
+        # atol 5e-5: the kernel takes cos and sin of fractional position x frequency in fp32 itself;
+        # rtol 2^-10: an fp32 cache's window keys are rounded to fp16 (`recall.stored`), so that the
+        # native step's fp16 copy of the window holds them exactly
+        window = state["rotated"][:, :, :r]
+        torch.testing.assert_close(window, rotate(state["keys"][:, :, :r], cos, sin), rtol=2 ** -10, atol=5e-5)
+        if window.dtype == torch.float32:
+            assert torch.equal(window, window.half().float())
+            assert torch.equal(state["values"][:, :, :r], state["values"][:, :, :r].half().float())
     if not r:
         assert cache.windows[row] is None
         return
@@ -410,7 +416,11 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
             changes += not torch.equal(decoder.cache.windows[row][1], before[row])
             fast, slow = row_state(decoder.cache, row), row_state(eager, row)
             assert torch.equal(fast["origins"], slow["origins"]) and torch.equal(fast["pinned"], slow["pinned"])
-            torch.testing.assert_close(fast["keys"], slow["keys"], rtol=1e-4, atol=1e-4)
+            r = decoder.cache.recalled[row]
+            torch.testing.assert_close(fast["keys"][:, :, r:], slow["keys"][:, :, r:], rtol=1e-4, atol=1e-4)
+            # the window's keys come back from the fp16 archive: the two paths' keys, a few 1e-6 apart,
+            # may round to neighbouring fp16 values
+            torch.testing.assert_close(fast["keys"][:, :, :r], slow["keys"][:, :, :r], rtol=2 ** -10, atol=1e-4)
             assert_window_holds_archive_tokens(peaked_model, decoder.cache, row)
             assert_nothing_lost_or_held_twice(decoder.cache, row)
         tokens = [[t] for t in expected.argmax(-1).tolist()]
@@ -505,6 +515,45 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
             assert_window_holds_archive_tokens(gguf_model, native.cache, row)
         native.cache.pending = ops.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
     assert native.cache.lengths == ops.cache.lengths and native.cache.recalled == [16] * 3
+
+
+def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, monkeypatch):
+    """The native step reads each row's window from the cache's fp16 copy (`recall.WindowCopy`): at
+    every call, choices, evictions, rows popped and rows added included, the copy equals the window's
+    rotated keys and values bit for bit (they are fp16 values: `recall.stored`), and the step's logits
+    are the torch ops' over the fp32 window."""
+    config = recall_config(recall_interval=3)
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
+    ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
+    assert native.cache.window_copy() is not None and ops.cache.window_copy() is None
+    checked = []
+    call = NativeStep.__call__
+
+    def checking(step, tokens, slots, origins, recalled=None):
+        cache = native.cache
+        for row in range(cache.batch_size):
+            r = cache.recalled[row]
+            assert recalled[row] == r
+            assert torch.equal(step.window[0, :, row, :, :r].float(), cache._rotated[:, row, :, :r])
+            assert torch.equal(step.window[1, :, row, :, :r].float(), cache._values[:, row, :, :r])
+        checked.append(sum(recalled))
+        return call(step, tokens, slots, origins, recalled)
+
+    monkeypatch.setattr(NativeStep, "__call__", checking)
+    recalling_rows(gen, (60, 61, 62), [native, ops])
+    for i in range(24):
+        if i == 8:  # a row leaves (the last takes its place) and a new one comes
+            for decoder in (native, ops):
+                decoder.cache.pop(0)
+            recalling_rows(gen, (63,), [native, ops])
+        by_native, by_ops = native.step(), ops.step()
+        torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        for decoder in (native, ops):
+            decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
+    assert len(checked) == 24 and min(checked) == 3 * 16
+    assert native.cache.lengths == ops.cache.lengths
+    assert sum(native.cache.recall_count) > 3 * 30 * 16  # the windows did change, not only fill once
 
 
 @pytest.mark.parametrize("ahead", [True, False])
