@@ -117,6 +117,44 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
          window: bool = True) -> None:
     """Call a choice of the kernel on the row's archive and window, for the layers `layers` (window
     False: only the row's `recall.held` is written)."""
+    choice, written, keep = _prepare(cache, row, queries, scaling, layers, span, window)
+    status = function(ctypes.byref(choice), written.data_ptr())
+    if status:
+        raise ValueError(f"the native recall choice refused its input (status {status})")
+    if window:
+        cache.recall_count[row] += int(written.sum())
+
+
+@torch.no_grad()
+def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, span: int,
+                done: list[int] | None = None) -> None:
+    """`choose` for each (row, queries) of `asked` in one kernel call, each row's choice on one
+    thread, as many rows at a time as threads: a row's choice is bound by memory and has a serial
+    stage (the votes, in head order), so two rows side by side take less than one after the other on
+    two threads. Each row's result is the one `choose` gives (it does not depend on the threads).
+    The rows that chose go to `done`; where a row's choice was refused, the others still chose and
+    this raises after."""
+    prepared = [(row, *_prepare(cache, row, queries, scaling, slice(None), span, True)) for row, queries in asked]
+    choices = (_Choice * len(prepared))(*[choice for _, choice, _, _ in prepared])
+    written = (ctypes.c_void_p * len(prepared))(*[w.data_ptr() for _, _, w, _ in prepared])
+    statuses = torch.zeros(len(prepared), dtype=torch.int32)
+    kernel().h2o_recall_choose_rows(choices, len(prepared), written, statuses.data_ptr(), torch.get_num_threads())
+    refused = []
+    for (row, _, counts, _), status in zip(prepared, statuses.tolist()):
+        if status:
+            refused.append((row, status))
+            continue
+        cache.recall_count[row] += int(counts.sum())
+        if done is not None:
+            done.append(row)
+    if refused:
+        raise ValueError(f"the native recall choice refused its input (row, status: {refused})")
+
+
+def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
+             window: bool) -> tuple[_Choice, torch.Tensor, tuple]:
+    """The kernel's `Choice` for the row's archive and window in `layers`, the [L', H] counts it
+    writes, and the tensors its pointers read (to keep alive until the call returns)."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()
@@ -137,8 +175,10 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
         origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
         half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
         held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
+    keep: tuple = (queries,)
     if window:  # what the kernel copies the chosen tokens from and into
         cos, sin = (t.contiguous() for t in cache.spec.rope.get(cache.lengths[row]))
+        keep += (cos, sin)
         buffers = cache.buffers()
         keys, scores, origins = buffers.keys, buffers.scores, buffers.origins
         fields |= dict(
@@ -156,12 +196,7 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
         if copy is not None:
             fields |= dict(window_keys=copy[0, first, row].data_ptr(), window_values=copy[1, first, row].data_ptr(),
                            window_layer_stride=copy.stride(1), window_head_stride=copy.stride(3))
-    choice = _Choice(**fields)
-    status = function(ctypes.byref(choice), written.data_ptr())
-    if status:
-        raise ValueError(f"the native recall choice refused its input (status {status})")
-    if window:
-        cache.recall_count[row] += int(written.sum())
+    return _Choice(**fields), written, keep
 
 
 @torch.no_grad()

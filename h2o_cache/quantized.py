@@ -165,6 +165,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_form_blocks.argtypes = [ctypes.c_void_p]
     lib.h2o_recall_choose.restype = ctypes.c_int
     lib.h2o_recall_choose.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.h2o_recall_choose_rows.restype = ctypes.c_int
+    lib.h2o_recall_choose_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.h2o_recall_choose_blocks.restype = ctypes.c_int
     lib.h2o_recall_choose_blocks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.h2o_recall_place.restype = ctypes.c_int

@@ -174,6 +174,13 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
     of the rows before it are written."""
     spec = cache.spec
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
+    if everywhere and kernel_chooses and native_recall.supports(cache) and len(asked) >= max(2, torch.get_num_threads()):
+        grouped = [(row, queries.reshape(queries.shape[0], spec.num_kv_heads, -1, spec.head_dim))
+                   for row, queries in asked if cache.recalled[row]]  # as below, by KV head
+        if done is not None:
+            done.extend(row for row, _ in asked if not cache.recalled[row])
+        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done)  # side by side
+        return
     pending: list[tuple[int, torch.Tensor]] = []
     try:
         for row, queries in asked:

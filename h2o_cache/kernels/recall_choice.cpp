@@ -733,6 +733,21 @@ extern "C" {
 // head's `held` named a token twice (that head left as it was, the others filled; never by `fill`).
 int h2o_recall_choose(const Choice* choice, int32_t* written) { return choose(*choice, written); }
 
+// Several rows' choices (as h2o_recall_choose, each its own Choice): each row's on one thread, up to
+// `threads` rows at a time (a choice's ranking is bound by memory and its votes run on one thread,
+// so rows side by side beat rows one after the other on all threads). statuses[i] and written[i]: row
+// i's, as h2o_recall_choose returns and writes them. Returns 0.
+int h2o_recall_choose_rows(const Choice* choices, int64_t rows, int32_t* const* written, int32_t* statuses,
+                           int64_t threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(threads))
+    for (int64_t i = 0; i < rows; ++i) {
+        Choice c = choices[i];
+        c.threads = 1;  // a row's result does not depend on its threads
+        statuses[i] = choose(c, written[i]);
+    }
+    return 0;
+}
+
 // panel_product with a chosen instruction set (wide: AVX-512, where the CPU has it), for the tests;
 // returns nonzero where it cannot run.
 int h2o_recall_panel_product(const float* q, int64_t G, int64_t depth, const float* panel, int64_t tiles, float* out,

@@ -252,6 +252,19 @@ def test_the_kernels_assignment_alone_names_the_slots_its_fill_writes_and_writes
     assert filled.recall_count[0] > count[0]
 
 
+def rows_of_lengths(gen, rows):
+    """A batch of recalling rows: (seed, tokens, more) each, `more` tokens fed after the first pass
+    (under the budget: another length)."""
+    batch = gen.new_cache(0, recall_config())
+    for seed, n, more in rows:
+        row = gen.new_cache(1, recall_config())
+        gen.prefill(row, [random_tokens(n, seed=seed)], recall=True)
+        if more:
+            gen.prefill(row, [random_tokens(more, seed=seed + 10)], recall=True)
+        batch.extend(row)
+    return batch
+
+
 def test_rows_whose_windows_are_written_together_end_as_written_one_by_one():
     """A bf16 batch (the GPU's path: the kernel chooses, `recall.write_rows` writes): rows 0 and 2 of
     three, of different lengths, choosing in one `refresh` (their windows written together, one
@@ -260,13 +273,7 @@ def test_rows_whose_windows_are_written_together_end_as_written_one_by_one():
     if kernel() is None:
         pytest.skip("no C++ compiler: the recall kernel is not built")
     gen = Generator(model, ByteTokenizer())
-    together = gen.new_cache(0, recall_config())
-    for seed, n, more in ((4, 220, 0), (5, 150, 0), (6, 260, 3)):
-        row = gen.new_cache(1, recall_config())
-        gen.prefill(row, [random_tokens(n, seed=seed)], recall=True)
-        if more:  # a few more tokens, under the budget: another length
-            gen.prefill(row, [random_tokens(more, seed=seed + 10)], recall=True)
-        together.extend(row)
+    together = rows_of_lengths(gen, ((4, 220, 0), (5, 150, 0), (6, 260, 3)))
     alone = twin(gen, together)
     assert native_recall.ranks(together) and len({together.lengths[0], together.lengths[2]}) == 2
     generator = torch.Generator().manual_seed(4)
@@ -282,6 +289,70 @@ def test_rows_whose_windows_are_written_together_end_as_written_one_by_one():
         a, b = row_state(together, row), row_state(alone, row)
         assert all(torch.equal(a[name], b[name]) for name in a), row
     assert all(torch.equal(untouched[name], row_state(together, 1)[name]) for name in untouched)
+
+
+@pytest.fixture
+def two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # rows choose side by side from as many rows as threads
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_rows_choosing_side_by_side_end_as_rows_choosing_one_by_one(monkeypatch, two_threads):
+    """An fp32 batch on the CPU: rows 0, 2 and 3 of four, of different lengths, choosing in one
+    `refresh` (one kernel call, each row's choice on one thread: `native_recall.choose_many`) end with
+    the same windows, buffers, window copies and counts as each choosing alone on every thread; row 1
+    untouched. A row the kernel refuses does not stop the others, and raises after."""
+    model = tiny_llama(heads=8, kv_heads=2, init_std=0.3)
+    if kernel() is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    gen = Generator(model, ByteTokenizer())
+    together = rows_of_lengths(gen, ((4, 220, 0), (5, 150, 0), (6, 260, 3), (7, 240, 0)))
+    alone = twin(gen, together)
+    together.keep_window_copy()
+    together.window_copy()  # current for every row: from here the kernel keeps it so
+    calls = []
+    choose_many = native_recall.choose_many
+    monkeypatch.setattr(native_recall, "choose_many", lambda *a, **k: calls.append(len(a[1])) or choose_many(*a, **k))
+    assert native_recall.supports(together) and len({together.lengths[0], together.lengths[2]}) == 2
+    generator = torch.Generator().manual_seed(4)
+    untouched = row_state(together, 1)
+    for noise in (0.5, 3.0):
+        asked = together._queries + noise * torch.randn(together._queries.shape, generator=generator)
+        recall.refresh(together, asked, together.spec.scaling, [0, 2, 3])
+        for row in (0, 2, 3):
+            recall.refresh(alone, asked, alone.spec.scaling, [row])
+    assert calls == [3, 3]  # side by side, and never for one row alone
+    assert together.recall_count == alone.recall_count and min(together.recall_count[r] for r in (0, 2, 3)) > 0
+    copy = together.window_copy(current=False)
+    for row in range(4):
+        assert torch.equal(together.windows[row][1], alone.windows[row][1])
+        a, b = row_state(together, row), row_state(alone, row)
+        assert all(torch.equal(a[name], b[name]) for name in a), row
+        r = together.recalled[row]  # the choices wrote the copy as they wrote the window: nothing to refresh
+        assert torch.equal(copy[0, :, row, :, :r].float(), a["rotated"][:, :, :r])
+        assert torch.equal(copy[1, :, row, :, :r].float(), a["values"][:, :, :r])
+    assert not together._window_copy.stale
+    assert all(torch.equal(untouched[name], row_state(together, 1)[name]) for name in untouched)
+    # a row the kernel refuses (here a Choice it cannot run: nothing written) is left as it was; the
+    # others choose, and the call raises after
+    prepare = native_recall._prepare
+
+    def refusing(cache, row, *args):
+        choice, written, keep = prepare(cache, row, *args)
+        if row == 2:
+            choice.positions = 3  # not a power of two
+        return choice, written, keep
+
+    monkeypatch.setattr(native_recall, "_prepare", refusing)
+    before, counts = [row_state(together, row) for row in range(4)], list(together.recall_count)
+    done = []
+    with pytest.raises(ValueError, match=r"refused its input \(row, status: \[\(2, 1\)\]\)"):
+        recall.refresh(together, asked * 2, together.spec.scaling, [0, 2, 3], done=done)
+    assert done == [0, 3] and together.recall_count[2] == counts[2]
+    assert all(torch.equal(before[2][name], row_state(together, 2)[name]) for name in before[2])
+    assert all(together.recall_count[row] > counts[row] for row in (0, 3))
 
 
 def test_slot_positions_are_text_positions_slot_by_slot():
