@@ -36,6 +36,12 @@ from h2o_cache.quantized import EXACT, NativeStep, fastest_activations, gguf_mat
 # Above this many rows MKL's fp32 products beat the quantized kernel called op by op on a 2-core AVX2
 # CPU (`python -m h2o_cache.bench.speed --only fast-vs-eager`); the native step beats them at any size.
 QUANTIZED_MAX_ROWS = 16
+# From this many rows in a bucket the native step reads the recall windows from their fp16 copy: below
+# it the rows' cache fits the CPU's last-level cache and widening fp16 costs more than the bytes it
+# saves (30 layers of attention over 256 + 128 slots on the 2-core Zen 5, C++ outside the repo: 1 row
+# 0.66 ms with the copy against 0.55 without, 2 rows 1.46 against 1.26, 4 rows 3.1 both, 8 rows
+# 5.5 against 5.9). The copy is exact, so the choice changes no result.
+WINDOW_COPY_MIN_ROWS = 4
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -160,9 +166,10 @@ class StaticDecoder:
     def _run(self, bucket: int) -> torch.Tensor:
         tokens, slots, origins = self.inputs(bucket)
         if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
-            if self.native.window is not None and self.cache.window_copy() is not self.native.window:
+            copy = self.native.window is not None and bucket >= WINDOW_COPY_MIN_ROWS
+            if copy and self.cache.window_copy() is not self.native.window:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
-            return self.native(tokens, slots, origins, self.cache.recalled)
+            return self.native(tokens, slots, origins, self.cache.recalled if copy else None)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
