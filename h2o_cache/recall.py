@@ -63,8 +63,8 @@ def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class WindowCopy:
     """An fp16 copy of every row's recall window ([2, L, rows, H_kv, R, D]: rotated keys, values), for
     the CPU's native decode step, which reads it instead of the fp32 window slots: the window's 128
-    slots are a third of what a step reads of the cache, and memory bandwidth is what they cost. The
-    copy is exact (a window holds fp16 values in fp32: `stored`). The kernel's choices and placements,
+    slots are a third of what a step reads of the cache, and at batch 8 about half of what they cost
+    is reading them (`static.WINDOW_COPY_MIN_ROWS`: below 4 rows reading fp32 is faster). The copy is exact (a window holds fp16 values in fp32: `stored`). The kernel's choices and placements,
     which change the windows at every choice and eviction, write the copy as they write the window;
     whatever else writes a row's window (the torch ops, a window that grows, a row copied in) marks
     the row (`H2OCache.window_changed`), and `current` copies the marked rows again before a step
@@ -172,11 +172,9 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
     all the rows are written together after (`write_rows`: on a GPU two uploads and one set of ops,
     not per row). The rows that chose go to `done`; a row that raises ends the call, after the windows
     of the rows before it are written."""
-    spec = cache.spec
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
     if everywhere and kernel_chooses and native_recall.supports(cache) and len(asked) >= max(2, torch.get_num_threads()):
-        grouped = [(row, queries.reshape(queries.shape[0], spec.num_kv_heads, -1, spec.head_dim))
-                   for row, queries in asked if cache.recalled[row]]  # as below, by KV head
+        grouped = [(row, by_kv_head(cache, queries)) for row, queries in asked if cache.recalled[row]]
         if done is not None:
             done.extend(row for row, _ in asked if not cache.recalled[row])
         native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done)  # side by side
@@ -186,9 +184,7 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
         for row, queries in asked:
             r = cache.recalled[row]
             if r:
-                group = queries.shape[1] // spec.num_kv_heads
-                # query head h_kv * group + g shares KV head h_kv: [L', H_kv, group * Q, D]
-                grouped = queries.reshape(queries.shape[0], spec.num_kv_heads, group * queries.shape[2], spec.head_dim)
+                grouped = by_kv_head(cache, queries)
                 if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
                     if everywhere:
                         native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
@@ -206,6 +202,13 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                 done.append(row)
     finally:
         write_rows(cache, pending, layers)
+
+
+def by_kv_head(cache: H2OCache, queries: torch.Tensor) -> torch.Tensor:
+    """A row's queries [L', H_q, Q, D] grouped by the KV head they share (query head h_kv * group + g
+    reads KV head h_kv): [L', H_kv, group * Q, D]."""
+    spec = cache.spec
+    return queries.reshape(queries.shape[0], spec.num_kv_heads, -1, spec.head_dim)
 
 
 def held(cache: H2OCache, row: int) -> torch.Tensor:

@@ -288,7 +288,7 @@ inline void softmax(float* p, int64_t n) {
 
 // 8 fp32 values from fp32 or (widened exactly) fp16 storage.
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const uint16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+inline __m256 load8(const uint16_t* x) { return load8_fp16(x); }
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {

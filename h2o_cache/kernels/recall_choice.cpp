@@ -69,8 +69,9 @@ struct Choice {
 
 // 8 16-bit values (fp16, or bf16 where bf16) widened exactly to fp32.
 inline __m256 load8_16(const uint16_t* a, bool bf16) {
+    if (!bf16) return load8_fp16(a);
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)) : _mm256_cvtph_ps(raw);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
 // out[g] = a . q[g] for g < 4 (a: d fp16 or bf16 values, widened exactly to fp32; q: 4 rows of d floats;

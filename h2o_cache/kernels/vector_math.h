@@ -46,10 +46,14 @@ inline void round_fp16(float* x, int64_t d) {
                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
 }
 
+// 8 fp16 values widened exactly to fp32.
+inline __m256 load8_fp16(const uint16_t* x) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
 // out[0..d) <- x[0..d) (fp16) widened exactly to fp32; d a multiple of 8.
 inline void widen_fp16(const uint16_t* x, float* out, int64_t d) {
-    for (int64_t i = 0; i < d; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(out + i, load8_fp16(x + i));
 }
 
 }  // namespace
