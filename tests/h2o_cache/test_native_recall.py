@@ -2,6 +2,7 @@
 chunk's by whole blocks) against the torch ops they replace (`Archive.select` and `recall.fill`): the
 same tokens in the same slots, the same copies, the same count, the same replies."""
 
+import ctypes
 from dataclasses import replace
 
 import pytest
@@ -49,12 +50,15 @@ def assert_same_windows(model, kernel, torch_ops):
     assert_window_holds_archive_tokens(model, kernel, 0)
 
 
-@pytest.mark.parametrize("heads, kv_heads, span", [(4, 2, 4), (8, 1, 0), (4, 4, 3), (8, 2, 40)])
-def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span):
-    """Query groups of 2, 8 (two passes of four) and 1; spans 0 to 40. Queries: the row's own, then
-    ever noisier ones, each choice starting from the window the last one left."""
-    model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3)
-    gen, cache = conversation(model, recall_span=span)
+@pytest.mark.parametrize("heads, kv_heads, span, hidden, block", [
+    (4, 2, 4, 64, 4), (8, 1, 0, 64, 4), (4, 4, 3, 64, 4), (8, 2, 40, 64, 4), (6, 2, 4, 96, 4), (5, 1, 2, 80, 3)])
+def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span, hidden, block):
+    """Query groups of 2, 8 (passes of 3, 3 and 2 queries), 1, 3 (the default model's) and 5 (3 and 2);
+    spans 0 to 40; blocks of 3 tokens (a head's candidate keys not a multiple of 4: the last ones
+    scored apart). Queries: the row's own, then ever noisier ones, each choice starting from the
+    window the last one left."""
+    model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3, hidden=hidden)
+    gen, cache = conversation(model, recall_span=span, recall_block=block, recall_budget=16 if block == 4 else 15)
     if not native_recall.supports(cache):
         pytest.skip("no C++ compiler: the recall kernel is not built")
     kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
@@ -125,6 +129,29 @@ def test_the_products_of_queries_and_packed_tiles_agree_on_both_instruction_sets
         assert (out[:, items:tiles * 16] == 0).all() and out[:, tiles * 16:].isnan().all()
     if len(results) == 2:
         assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_decode_choices_logits_are_the_products_of_its_queries_and_keys(dtype):
+    """The exact stage's products (`dot_keys`): queries 3 at a time, keys 4 at a time and the last 1-3
+    apart, for every query count 1-7 and key counts around multiples of 4, against fp64 products of
+    the same (16-bit) keys."""
+    lib = kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    generator = torch.Generator().manual_seed(0)
+    for depth in (8, 64):
+        for groups in range(1, 8):
+            for count in (1, 3, 4, 5, 22, 63):
+                queries = torch.randn(groups, depth, generator=generator)
+                keys = torch.randn(count, depth, generator=generator).to(dtype)
+                out = torch.full((groups, count), float("nan"))
+                assert lib.h2o_recall_key_logits(
+                    ctypes.c_void_p(queries.data_ptr()), ctypes.c_int64(groups), ctypes.c_int64(depth),
+                    ctypes.c_void_p(keys.data_ptr()), ctypes.c_int64(count), ctypes.c_int(dtype == torch.bfloat16),
+                    ctypes.c_void_p(out.data_ptr())) == 0
+                expected = (queries.double() @ keys.double().T).float()
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernel_writes_only_the_slots_whose_token_changed():
