@@ -18,6 +18,14 @@ as the server feeds a user turn (its last `recall_probe` tokens probe the archiv
 evicted, and the blocks they point at come back for the reply). Its rows are compared with h2o
 alone at the same budget and, when that budget is in the grid, at budget + N: the same cache slots.
 
+`--recall-intervals K ...` runs each recall configuration once per decode-time choice interval
+(`recall_interval`; labels `h2o B +rN every K`) and prints each against the default interval, paired:
+the reply's first `recall_burst` steps choose at every interval, so what the interval changes is a
+reply's tokens after them. `--text FILE --context C --target T --items N` scores, instead of XSum
+summaries, N continuations of a plain text: at N evenly spaced places, C tokens of the text prefilled
+(as one user turn, recall choosing as it does for one) and the next T tokens teacher-forced one decode
+step at a time: a long reply that goes on from a long pasted document.
+
 `--json` saves each run's per-article results; `--merge` reports several such files as one paired
 table (the grid run in parts, e.g. one budget per program), and `--pool` adds files on other articles
 (the articles over 1024 tokens, scored with `--min-prompt-tokens 1025 --max-prompt-tokens 8192`).
@@ -29,7 +37,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -80,6 +88,17 @@ def load_items(gen: Generator, path: Path, limit: int, max_prompt_tokens: int,
             if len(items) == limit:
                 break
     return items, skipped
+
+
+def load_text_items(gen: Generator, path: Path, items: int, context: int, target: int) -> list[Item]:
+    """`items` windows of a plain text, at evenly spaced offsets: `context` tokens to prefill, the next
+    `target` tokens to score."""
+    tokens = gen.tokenizer.encode(path.read_text(), add_special_tokens=False)
+    span = context + target
+    if len(tokens) < span:
+        raise ValueError(f"{path} holds {len(tokens)} tokens, fewer than --context + --target ({span})")
+    step = (len(tokens) - span) // max(items - 1, 1)
+    return [Item(tokens[i * step:i * step + context], tokens[i * step + context:i * step + span]) for i in range(items)]
 
 
 def skipped_phrase(skipped: int, min_prompt_tokens: int, max_prompt_tokens: int) -> str:
@@ -149,9 +168,10 @@ def score_batched(gen: Generator, config: CacheConfig, items: list[Item], batch:
 
 
 def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,
-         recall_budgets: list[int] | None = None) -> list[Run]:
+         recall_budgets: list[int] | None = None, intervals: list[int] | None = None) -> list[Run]:
     """`full`, then every policy at every budget, and h2o with a recall budget of `recall` at each of
-    `recall_budgets` (default: every budget) as `h2o B +rN`."""
+    `recall_budgets` (default: every budget) as `h2o B +rN`, or with `intervals` once per decode-time
+    choice interval as `h2o B +rN every K`."""
     runs = [Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))]
     for budget in budgets:
         for policy in policies:
@@ -160,7 +180,10 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
     for budget in (budgets if recall_budgets is None else recall_budgets) if recall else []:
         config = CacheConfig(policy="h2o", budget=budget, heavy_ratio=heavy_ratio, prefill_chunk=max(1, budget // 4),
                              recall_budget=recall)
-        runs.append(Run(f"h2o {budget} +r{recall}", config))
+        if not intervals:
+            runs.append(Run(f"h2o {budget} +r{recall}", config))
+        for k in intervals or []:
+            runs.append(Run(f"h2o {budget} +r{recall} every {k}", replace(config, recall_interval=k)))
     return runs
 
 
@@ -264,7 +287,8 @@ def targets(results: dict[str, torch.Tensor], tokens: torch.Tensor, budgets: lis
     excluding zero; with recall, no worse than h2o alone at the same budget and at the same slots."""
     lines = []
     for label in (k for k in results if " +r" in k):
-        budget, recall = (int(n) for n in label.removeprefix("h2o ").split(" +r"))
+        parts = label.split()  # h2o B +rN [every K]
+        budget, recall = int(parts[1]), int(parts[2].removeprefix("+r"))
         for alone in (f"h2o {budget}", f"h2o {budget + recall}"):
             if alone in results:
                 diff = ratio_of_sums_difference(results[label], results[alone], tokens)
@@ -305,6 +329,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recall", type=int, default=0, help="also run h2o with this recall budget")
     parser.add_argument("--recall-budgets", type=int, nargs="+", default=None,
                         help="budgets that also run with --recall (default: all of --budgets)")
+    parser.add_argument("--recall-intervals", type=int, nargs="+", default=None,
+                        help="run each recall configuration once per decode-time choice interval (recall_interval)")
+    parser.add_argument("--text", type=Path, default=None,
+                        help="score continuations of this plain text instead of XSum summaries (with --context, --target, --items)")
+    parser.add_argument("--context", type=int, default=2048, help="with --text: tokens of the text prefilled")
+    parser.add_argument("--target", type=int, default=128, help="with --text: tokens after them, teacher-forced one step at a time")
+    parser.add_argument("--items", type=int, default=24, help="with --text: places in the text, evenly spaced")
     parser.add_argument("--batch", type=int, default=8, help="articles per forward pass")
     parser.add_argument("--json", type=Path, default=None, help="also write per-article NLL sums here")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
@@ -323,15 +354,22 @@ def main(argv: list[str] | None = None) -> None:
                    f"nats/token with 95% paired bootstrap CIs over articles")
         print(report(results, hits, tokens, runs, caption))
         lines = targets(results, tokens, sorted({run.config.budget for run in runs if run.config.budget}))
-        print("\n".join(["", *lines, *sweep_differences(results, tokens)]))
+        print("\n".join(["", *lines, *sweep_differences(results, tokens), *interval_differences(results, tokens)]))
         return
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
-    items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens, args.min_prompt_tokens)
+    if args.text:
+        try:
+            items, skipped = load_text_items(gen, args.text, args.items, args.context, args.target), 0
+        except (OSError, ValueError) as e:
+            sys.exit(f"cannot read the text: {e}")
+    else:
+        items, skipped = load_items(gen, args.data, args.limit, args.max_prompt_tokens, args.min_prompt_tokens)
     if not items:
         sys.exit(f"no article of {args.data} has a prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
-    runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets)
+    runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets,
+                intervals=args.recall_intervals)
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
     tokens = torch.tensor([len(item.target) for item in items], dtype=torch.float64)
@@ -345,14 +383,34 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({"tokens": tokens.tolist(), "nll": {k: v.tolist() for k, v in results.items()},
                                          "hits": {k: v.tolist() for k, v in hits.items()}}))
     lengths = [len(item.context) for item in items]
-    caption = (f"Teacher-forced NLL of the reference summary, {len(items)} XSum articles of {args.data.name} "
-               f"(prompts {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}; "
-               f"{skipped_phrase(skipped, args.min_prompt_tokens, args.max_prompt_tokens)}), "
-               f"{int(tokens.sum())} reference tokens; "
-               f"differences in nats/token with 95% paired bootstrap CIs over articles")
+    if args.text:
+        caption = (f"Teacher-forced NLL of {args.target}-token continuations of {args.text.name} after {args.context} "
+                   f"tokens of it, at {len(items)} places; differences in nats/token with 95% paired bootstrap CIs "
+                   f"over places")
+    else:
+        caption = (f"Teacher-forced NLL of the reference summary, {len(items)} XSum articles of {args.data.name} "
+                   f"(prompts {min(lengths)}-{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}; "
+                   f"{skipped_phrase(skipped, args.min_prompt_tokens, args.max_prompt_tokens)}), "
+                   f"{int(tokens.sum())} reference tokens; "
+                   f"differences in nats/token with 95% paired bootstrap CIs over articles")
     print(report(results, hits, tokens, runs, caption))
     lines = sweep_differences(results, tokens) if args.sweep else targets(results, tokens, args.budgets)
-    print("\n".join(["", *lines]))
+    print("\n".join(["", *lines, *interval_differences(results, tokens)]))
+
+
+def interval_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor) -> list[str]:
+    """Each decode-time choice interval's run (`h2o B +rN every K`) against the default interval's at the
+    same budgets, paired per item."""
+    lines = []
+    for label in results:
+        parts = label.split()
+        if len(parts) != 5 or parts[3] != "every":
+            continue
+        default = " ".join([*parts[:4], str(CacheConfig.recall_interval)])
+        if label != default and default in results:
+            diff = ratio_of_sums_difference(results[label], results[default], tokens)
+            lines.append(f"- {label} - {default}: {diff} nats/token (negative: better than the default interval)")
+    return lines
 
 
 def sweep_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor) -> list[str]:

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.nll import Item, grid, load_items, report, score, score_batched, sweep, sweep_differences, targets
+from h2o_cache.bench.nll import (Item, grid, interval_differences, load_items, load_text_items, report, score, score_batched,
+                                 sweep, sweep_differences, targets)
 from tests.conftest import ByteTokenizer
 
 
@@ -174,3 +175,32 @@ def test_sweep_differences_pair_each_setting_with_the_default_at_its_budget():
     assert sweep_differences(results, tokens) == [
         "- h2o 128 heavy 0.75 sinks 0 - h2o 128 heavy 0.5 sinks 0: -0.1000 [-0.1000, -0.1000] nats/token "
         "(negative: better than the default)"]  # 256 has no default run to pair with
+
+
+def test_text_items_are_evenly_spaced_windows_of_the_text(tiny_model, tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_text("".join(chr(ord("a") + i % 26) for i in range(100)))
+    gen = Generator(tiny_model, ByteTokenizer())
+    text = ByteTokenizer().encode(path.read_text(), add_special_tokens=False)
+    loaded = load_text_items(gen, path, items=4, context=20, target=8)
+    assert [(len(i.context), len(i.target)) for i in loaded] == [(20, 8)] * 4
+    assert loaded[0].context == text[:20] and loaded[0].target == text[20:28]
+    assert loaded[-1].context + loaded[-1].target == text[-28:]  # the last window ends at the text's end
+    assert loaded[1].context == text[24:44]  # (100 - 28) // 3 = 24 apart
+    with pytest.raises(ValueError, match="fewer than"):
+        load_text_items(gen, path, items=2, context=90, target=20)
+
+
+def test_recall_intervals_run_each_configuration_once_per_interval_and_pair_with_the_default():
+    runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[1, 16, 32])
+    assert [(r.label, r.config.recall_interval) for r in runs if "+r" in r.label] == [
+        ("h2o 256 +r128 every 1", 1), ("h2o 256 +r128 every 16", 16), ("h2o 256 +r128 every 32", 32)]
+    tokens = torch.tensor([10.0, 20.0, 30.0])
+    full = torch.tensor([20.0, 40.0, 60.0])
+    results = {"full": full, "h2o 256": full + tokens * 0.1, "h2o 256 +r128 every 16": full + tokens * 0.05,
+               "h2o 256 +r128 every 1": full + tokens * 0.02}
+    assert interval_differences(results, tokens) == [
+        "- h2o 256 +r128 every 1 - h2o 256 +r128 every 16: -0.0300 [-0.0300, -0.0300] nats/token "
+        "(negative: better than the default interval)"]
+    lines = targets(results, tokens, [256])  # the interval runs are recall runs at budget 256
+    assert any(line.startswith("- h2o 256 +r128 every 1 - h2o 256: -0.0800") for line in lines)
