@@ -302,8 +302,9 @@ class H2OCache:
             # A prefill chunk chose layer by layer, each layer's heads pooling alone: the row's next
             # decode pass chooses again by the last token's queries, pooled over all layers. A reply's
             # first `recall_burst` passes all choose (the answer to a question about the prompt starts
-            # there), then every `recall_interval`-th.
-            burst, interval = self.config.recall_burst, self.config.recall_interval
+            # there), then every `recall_interval`-th, times the rows decoding (`choice_interval`).
+            burst = self.config.recall_burst
+            interval = self.config.choice_interval(sum(n == 1 for n in n_new))  # grows with the rows decoding
             for row, n in enumerate(n_new):
                 if n == 1:
                     self.ahead[row] = None

@@ -34,7 +34,11 @@ class CacheConfig:
     recall_burst: decode passes after each prefill that all choose the window by the last queries
         (where a reply starts to answer about the prompt), before choices every `recall_interval`.
     recall_interval: decode passes between two choices of the window by the last queries after the
-        burst (every prefill chunk chooses with its own queries).
+        burst, for a row that decodes alone; where n rows decode in a pass, n x recall_interval (at
+        most `recall_interval_max`), so that a batch's choices cost about one row's every
+        recall_interval passes whatever its size (every prefill chunk chooses with its own queries).
+    recall_interval_max: the longest interval between two choices, however many rows decode (at
+        or below recall_interval: the interval does not grow with the rows).
     recall_queries: most queries per query head of a prefill chunk that choose its window, evenly
         spaced and ending at the chunk's last token (None: all of them).
     recall_span: a decode step's choice takes each archived token by the votes of the positions
@@ -66,12 +70,21 @@ class CacheConfig:
     recall_archive: int = 16384
     recall_probe: int = 64
     recall_burst: int = 16  # measured: 30-turn pass key 5/5 choosing every step, 3/5 every 16th
-    recall_interval: int = 16  # a choice costs ~1.6x a batch-1 CPU step: every 16th keeps decode at 1.2x
+    # measured (RESULTS.md, "How often a decode step chooses"): 160-token continuations of a 2k-token
+    # text lose 0.044 nats/token choosing every 16th step against every step, 0.015 every 4th, and every
+    # 32nd is as good as every 16th; a batch-1 CPU step costs 1.18x with recall every 4th step, a
+    # batch-8 step 1.48x every 4th, 1.22x every 16th and 1.15x every 32nd
+    recall_interval: int = 4
+    recall_interval_max: int = 32
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
     recall_choices: int | None = None
     recall_kernel: bool = True
+
+    def choice_interval(self, rows: int) -> int:
+        """Decode passes between two choices of a row's window when `rows` rows decode together."""
+        return min(self.recall_interval * max(rows, 1), max(self.recall_interval_max, self.recall_interval))
 
     def __post_init__(self) -> None:
         policy = get_policy(self.policy)
@@ -89,6 +102,8 @@ class CacheConfig:
                 raise ValueError(f"recall_probe must be >= 1, got {self.recall_probe}")
             if self.recall_interval < 1:
                 raise ValueError(f"recall_interval must be >= 1, got {self.recall_interval}")
+            if self.recall_interval_max < 1:
+                raise ValueError(f"recall_interval_max must be >= 1, got {self.recall_interval_max}")
             if self.recall_queries is not None and self.recall_queries < 1:
                 raise ValueError(f"recall_queries must be >= 1 or None, got {self.recall_queries}")
             if self.recall_span < 0:

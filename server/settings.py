@@ -107,9 +107,15 @@ class ServerSettings(BaseSettings):
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")
     recall_interval: int = Field(
-        16, ge=1, le=4096, description="decode steps between two choices of each conversation's recall window by "
-                                       "its latest queries after --recall-burst (every prefill chunk chooses with "
-                                       "its own)")
+        4, ge=1, le=4096, description="decode steps between two choices of a conversation's recall window by its "
+                                      "latest queries after --recall-burst, when it decodes alone; with n "
+                                      "conversations decoding, n times this (at most --recall-interval-max), so "
+                                      "choosing costs about the same share of a step at any batch (every prefill "
+                                      "chunk chooses with its own)")
+    recall_interval_max: int = Field(
+        32, ge=1, le=4096, description="most decode steps between two choices of a conversation's recall window, "
+                                       "however many conversations decode (at or below --recall-interval: the "
+                                       "interval does not grow)")
     recall_choices: int | None = Field(
         None, ge=1, le=65536, description="most conversations that choose their recall window by their latest queries "
                                           "before one decode step; the others wait for the next (a reply's first choice, "
@@ -194,6 +200,7 @@ class ServerSettings(BaseSettings):
                            recall_budget=self.recall, recall_block=self.recall_block,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
+                           recall_interval_max=self.recall_interval_max,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:

@@ -27,7 +27,8 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 def recall_config(**overrides) -> CacheConfig:
     settings = dict(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8,
-                    recall_budget=16, recall_block=4, recall_probe=6, recall_archive=256, recall_interval=1)
+                    recall_budget=16, recall_block=4, recall_probe=6, recall_archive=256, recall_interval=1,
+                    recall_interval_max=1)  # the interval does not grow with the rows
     return CacheConfig(**{**settings, **overrides})
 
 
@@ -428,13 +429,16 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
     assert changes > 0  # the steps' queries did move the windows
 
 
-@pytest.mark.parametrize("burst, interval", [(0, 1), (0, 3), (4, 5)])
+@pytest.mark.parametrize("burst, interval, most, every", [(0, 1, 1, 1), (0, 3, 1, 3), (4, 5, 1, 5), (0, 1, 8, 2),
+                                                          (2, 2, 3, 3)])
 def test_the_fast_path_chooses_after_a_prefill_through_the_burst_and_every_interval_steps(peaked_model, monkeypatch,
-                                                                                          burst, interval):
+                                                                                          burst, interval, most, every):
     """A row's k-th decode step after its prefill starts with a choice when k < burst or k is a
-    multiple of the interval (k = 0: the prefill's last queries, pooled over all layers)."""
-    config = recall_config(recall_burst=burst, recall_interval=interval)
-    chooses = lambda k: k < burst or k % interval == 0  # noqa: E731
+    multiple of the interval (k = 0: the prefill's last queries, pooled over all layers): with the 2
+    rows decoding, 2 x recall_interval, at most recall_interval_max (1: it does not grow)."""
+    config = recall_config(recall_burst=burst, recall_interval=interval, recall_interval_max=most)
+    assert config.choice_interval(2) == every and config.choice_interval(1) == interval
+    chooses = lambda k: k < burst or k % every == 0  # noqa: E731
     gen = Generator(peaked_model, ByteTokenizer(), config)
     decoder = StaticDecoder(peaked_model, config, max_rows=2)
     recalling_rows(gen, (40, 41), [decoder])
