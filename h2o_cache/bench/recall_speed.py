@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=4096, help="tokens of the timed prefill")
     parser.add_argument("--intervals", type=int, nargs="+", default=[4], help="recall_interval values to time (a row "
                         "decoding alone; with more rows, times their count, at most recall_interval_max)")
+    parser.add_argument("--interval-max", type=int, default=CacheConfig.recall_interval_max,
+                        help="recall_interval_max: the longest interval a row's grows to (at or below an interval: "
+                             "it does not grow)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--breakdown", action="store_true",
                         help="also time recall on without choices, and recall off at budget + recall slots")
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     history, turn = tokens[:args.history], tokens[args.history:]
     configs = {"off": CacheConfig(budget=args.budget)}
     for k in args.intervals:
-        configs[f"on, every {k}"] = CacheConfig(budget=args.budget, recall_budget=args.recall, recall_interval=k)
+        configs[f"on, every {k}"] = CacheConfig(budget=args.budget, recall_budget=args.recall, recall_interval=k,
+                                                recall_interval_max=args.interval_max)
         if args.torch_choice:
             configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
     if args.breakdown:

@@ -197,10 +197,11 @@ def test_recall_intervals_run_each_configuration_once_per_interval_and_pair_with
         ("h2o 256 +r128 every 1", 1), ("h2o 256 +r128 every 16", 16), ("h2o 256 +r128 every 32", 32)]
     tokens = torch.tensor([10.0, 20.0, 30.0])
     full = torch.tensor([20.0, 40.0, 60.0])
-    results = {"full": full, "h2o 256": full + tokens * 0.1, "h2o 256 +r128 every 16": full + tokens * 0.05,
+    default = f"h2o 256 +r128 every {CacheConfig.recall_interval}"
+    results = {"full": full, "h2o 256": full + tokens * 0.1, default: full + tokens * 0.05,
                "h2o 256 +r128 every 1": full + tokens * 0.02}
     assert interval_differences(results, tokens) == [
-        "- h2o 256 +r128 every 1 - h2o 256 +r128 every 16: -0.0300 [-0.0300, -0.0300] nats/token "
+        f"- h2o 256 +r128 every 1 - {default}: -0.0300 [-0.0300, -0.0300] nats/token "
         "(negative: better than the default interval)"]
     lines = targets(results, tokens, [256])  # the interval runs are recall runs at budget 256
     assert any(line.startswith("- h2o 256 +r128 every 1 - h2o 256: -0.0800") for line in lines)

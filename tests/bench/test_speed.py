@@ -43,7 +43,7 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
     rows = [line for line in out.splitlines() if line.startswith("| decode step") or line.startswith("| prefill")]
     assert [row.split(" |")[0] for row in rows] == [
         "| decode step, batch 1, on, every 1", "| decode step, batch 1, on, every 3",
-        "| decode step, batch 2, on, every 1", "| decode step, batch 2, on, every 3",
+        "| decode step, batch 2, on, every 1 (a row every 2)", "| decode step, batch 2, on, every 3 (a row every 6)",
         "| prefill of a 100-token prompt in chunks of 16",
         "| prefill of a 100-token prompt in chunks of 16, chunks choosing by 16 queries per head (recall_queries)",
         "| prefill of a 100-token prompt in chunks of 16, and body chunks given their previous chunk's choice (recall_ahead)"]
@@ -60,7 +60,7 @@ def test_recall_speed_breakdown_times_the_window_without_choices_and_as_many_slo
                        "--intervals", "3", "--prefill-reps", "1", "--breakdown"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode step")]
     assert [row.split(" |")[0] for row in rows] == [
-        "| decode step, batch 2, on, every 3", "| decode step, batch 2, on, never choosing",
+        "| decode step, batch 2, on, every 3 (a row every 6)", "| decode step, batch 2, on, never choosing",
         "| decode step, batch 2, off, budget 48"]
     assert rows[0].endswith(("| met |", "| MISSED |"))
     assert all(row.endswith("|  |  |") for row in rows[1:])  # explained, not judged
@@ -72,7 +72,7 @@ def test_recall_speed_by_step_sorts_every_timed_step_by_what_it_did_besides_deco
     random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
     recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
                        "--turn", "8", "--batch-sizes", "2", "--reps", "2", "--steps", "4", "--intervals", "1",
-                       "--prefill-reps", "0", "--by-step", "--breakdown"])
+                       "--interval-max", "1", "--prefill-reps", "0", "--by-step", "--breakdown"])  # every row every step
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| batch 2,")}
     assert list(rows) == ["batch 2, off", "batch 2, on, every 1", "batch 2, on, never choosing",
