@@ -19,7 +19,7 @@ evicted, and the blocks they point at come back for the reply). Its rows are com
 alone at the same budget and, when that budget is in the grid, at budget + N: the same cache slots.
 
 `--recall-intervals K ...` runs each recall configuration once per decode-time choice interval
-(`recall_interval`; labels `h2o B +rN every K`) and prints each against the default interval, paired:
+(`recall_interval`, not grown with the rows decoding; labels `h2o B +rN every K`) and prints each against the default interval, paired:
 the reply's first `recall_burst` steps choose at every interval, so what the interval changes is a
 reply's tokens after them. `--text FILE --context C --target T --items N` scores, instead of XSum
 summaries, N continuations of a plain text: at N evenly spaced places, C tokens of the text prefilled
@@ -182,8 +182,8 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
                              recall_budget=recall)
         if not intervals:
             runs.append(Run(f"h2o {budget} +r{recall}", config))
-        for k in intervals or []:
-            runs.append(Run(f"h2o {budget} +r{recall} every {k}", replace(config, recall_interval=k)))
+        for k in intervals or []:  # every k steps for every row, however many decode together
+            runs.append(Run(f"h2o {budget} +r{recall} every {k}", replace(config, recall_interval=k, recall_interval_max=k)))
     return runs
 
 
