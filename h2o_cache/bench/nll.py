@@ -19,9 +19,9 @@ evicted, and the blocks they point at come back for the reply). Its rows are com
 alone at the same budget and, when that budget is in the grid, at budget + N: the same cache slots.
 
 `--recall-intervals K ...` runs each recall configuration once per decode-time choice interval
-(`recall_interval`, not grown with the rows decoding; labels `h2o B +rN every K`) and prints each against the default interval, paired:
-the reply's first `recall_burst` steps choose at every interval, so what the interval changes is a
-reply's tokens after them. `--text FILE --context C --target T --items N` scores, instead of XSum
+(`recall_interval`, not grown with the rows decoding; labels `h2o B +rN every K`) and prints each
+against the default interval, paired: the reply's first `recall_burst` steps choose at every
+interval, so what the interval changes is a reply's tokens after them. `--text FILE --context C --target T --items N` scores, instead of XSum
 summaries, N continuations of a plain text: at N evenly spaced places, C tokens of the text prefilled
 (as one user turn, recall choosing as it does for one) and the next T tokens teacher-forced one decode
 step at a time: a long reply that goes on from a long pasted document.

@@ -380,6 +380,13 @@ void dot_keys(const float* q, int64_t G, int64_t D, int64_t K, Key key, float* l
     }
 }
 
+// `dot_keys` for keys of 16-bit values that are bf16 where bf16, else fp16.
+template <class Key>
+void key_logits(const float* q, int64_t G, int64_t D, int64_t K, Key key, bool bf16, float* logits) {
+    if (bf16) dot_keys<true>(q, G, D, K, key, logits);
+    else dot_keys<false>(q, G, D, K, key, logits);
+}
+
 // Stage 2 for queries g0 .. g1 of one head: mass[k] += each query's softmax over the K candidate keys
 // (storage indices `keys_at`; null: the first K) of q.k * scaling (mass: K floats, not cleared). The
 // queries must be loaded (`load_queries`, the same range).
@@ -388,24 +395,20 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
     const int64_t B = c.block, D = c.dim, G = g1 - g0;
     const float* q = s.queries.data();
     const uint16_t* keys = c.half + head * c.capacity * D;
-    s.logits.resize((G + 3) / 4 * 4 * K);
+    s.logits.resize(G * K);
     float* logits = s.logits.data();
-    auto run = [&](auto key) {
-        if (c.half_bf16) dot_keys<true>(q, G, D, K, key, logits);
-        else dot_keys<false>(q, G, D, K, key, logits);
-    };
     if (!keys_at) {  // every key, in storage order: the hardware prefetcher follows
-        run([&](int64_t k) { return keys + k * D; });
+        key_logits(q, G, D, K, [&](int64_t k) { return keys + k * D; }, c.half_bf16, logits);
     } else {
         // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
         // two blocks before it is needed
         constexpr int64_t ahead = 2;
-        run([&](int64_t k) {
+        key_logits(q, G, D, K, [&](int64_t k) {
             if (k % B == 0 && k + ahead * B < K)
                 for (int64_t i = 0; i < B * D; i += 32)
                     _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
             return keys + keys_at[k] * D;
-        });
+        }, c.half_bf16, logits);
     }
     for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass);
 }
@@ -803,9 +806,7 @@ int h2o_recall_panel_product(const float* q, int64_t G, int64_t depth, const flo
 int h2o_recall_key_logits(const float* queries, int64_t G, int64_t D, const uint16_t* keys, int64_t K, int bf16,
                           float* logits) {
     if (D % 8 || G < 1 || K < 1) return 1;
-    const auto key = [&](int64_t k) { return keys + k * D; };
-    if (bf16) dot_keys<true>(queries, G, D, K, key, logits);
-    else dot_keys<false>(queries, G, D, K, key, logits);
+    key_logits(queries, G, D, K, [&](int64_t k) { return keys + k * D; }, bf16, logits);
     return 0;
 }
 
