@@ -235,7 +235,7 @@ class Archive:
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, tokens: int, layers: slice = slice(None),
                everywhere: bool = False, per_layer: bool = False,
-               span: int = CacheConfig.recall_span) -> torch.Tensor:
+               span: int = CacheConfig.recall_span, voters: list[int] | None = None) -> torch.Tensor:
         """The `tokens` archived tokens (whole blocks but with `everywhere`) each KV head of `layers`
         would attend to most, for `queries`.
 
@@ -252,6 +252,7 @@ class Archive:
         fact must not keep it from the head, nor whole blocks keep out the fact's other words;
         `per_layer` (not with `everywhere`): the votes pool over each layer's own heads only, as if
         each layer chose alone.
+        `voters` (with `everywhere`, layers all): only the heads of these layers vote.
         Returns [L', H_kv, tokens] int64 token indices (of the storage, within full blocks),
         ascending; tokens <= full_blocks * block, a multiple of block.
         """
@@ -268,7 +269,7 @@ class Archive:
             keys = _gather(ranked[layers], block_tokens(candidates, self.block))  # [..., D]
             mass = token_mass(q, keys.float(), scaling)
             if everywhere:
-                votes = span_votes(position_votes(mass, origins, POSITIONS), span)
+                votes = span_votes(position_votes(_voting(mass, voters), origins, POSITIONS), span)
                 full = lo.shape[2] * self.block
                 return top_blocks(token_votes(votes, self._data["origins"][layers, :, :full]), tokens).sort(dim=-1).values
             mass = pool_by_position(mass, origins, POSITIONS, per_layer)
@@ -383,6 +384,15 @@ class _Forming(ctypes.Structure):
                                                      "start", "stored", "threads")]
                 + [(name, ctypes.c_void_p) for name in ("keys", "values", "scores", "origins", "lo", "hi", "half")]
                 + [("fp16", ctypes.c_int64)])
+
+
+def _voting(mass: torch.Tensor, voters: list[int] | None) -> torch.Tensor:
+    """mass [L, H, K] with the layers not among `voters` zeroed (None: every layer votes)."""
+    if voters is None:
+        return mass
+    keep = torch.zeros(mass.shape[0], 1, 1, dtype=mass.dtype, device=mass.device)
+    keep[voters] = 1
+    return mass * keep
 
 
 def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

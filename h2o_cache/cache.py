@@ -36,9 +36,12 @@ from h2o_cache.decode import CacheBuffers
 from h2o_cache.policies import get_policy
 from h2o_cache.rope import RopeTable
 
-# `H2OCache.due[row]`: the row's due choice is its reply's first, due since its prompt (capped choices,
-# `CacheConfig.recall_choices`, serve these first; one kept waiting chooses by the latest queries)
-FIRST = 2
+# `H2OCache.due[row]`: the choice due before the row's next decode pass: INTERVAL, one every
+# `recall_interval` after a reply's burst (by the votes of `recall_voters`' layers); BURST, one of a
+# reply's first `recall_burst` (every layer votes); FIRST, the reply's first, due since its prompt
+# (capped choices, `CacheConfig.recall_choices`, serve these first; one kept waiting chooses by the
+# latest queries)
+INTERVAL, BURST, FIRST = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class H2OCache:
         self.recalled: list[int] = []
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
         self.recall_count: list[int] = []
-        self.due: list[int] = []  # 0, 1: a choice is due, FIRST: the reply's first (by its question)
+        self.due: list[int] = []  # 0, or the choice due: INTERVAL, BURST, FIRST (the reply's first)
         self._choice_turn = 0  # with recall_choices: the row the next capped choice starts from
         self.decoded: list[int] = []  # decode passes since the row's last prefill chunk (with recall)
         self.ahead: list[torch.Tensor | None] = []  # the queries of the row's last prefill chunk (with recall)
@@ -311,7 +314,8 @@ class H2OCache:
                 if n:
                     self.decoded[row] = self.decoded[row] + 1 if n == 1 else 0
                     k = self.decoded[row]
-                    self.due[row] = max(self.due[row], FIRST if k == 0 else int(k < burst or k % interval == 0))
+                    due = FIRST if k == 0 else BURST if k < burst else INTERVAL if k % interval == 0 else 0
+                    self.due[row] = max(self.due[row], due)
 
     def over_budget(self) -> list[int]:
         """Rows holding more than their budget (plus their recall window)."""
@@ -343,7 +347,8 @@ class H2OCache:
             self._choice_turn = due[-1] + 1
         chose: list[int] = []
         try:
-            recall.refresh(self, self._queries, self.spec.scaling, due, done=chose)
+            few = {row for row in due if self.due[row] == INTERVAL}  # by the votes of `recall_voters`' layers
+            recall.refresh(self, self._queries, self.spec.scaling, due, done=chose, few=few)
         finally:
             for row in chose:
                 self.due[row] = 0

@@ -39,6 +39,10 @@ class CacheConfig:
         recall_interval passes whatever its size (every prefill chunk chooses with its own queries).
     recall_interval_max: the longest interval between two choices, however many rows decode (at
         or below recall_interval: the interval does not grow with the rows).
+    recall_voters: the layers whose heads' attention votes in the choices every `recall_interval`
+        after a reply's burst, evenly spaced (`voter_layers`): only their keys are read, and every head
+        of every layer takes its tokens by their votes (0, or the model's layers: all of them; a
+        reply's first `recall_burst` choices always pool every layer's votes).
     recall_queries: most queries per query head of a prefill chunk that choose its window, evenly
         spaced and ending at the chunk's last token (None: all of them).
     recall_span: a decode step's choice takes each archived token by the votes of the positions
@@ -76,11 +80,19 @@ class CacheConfig:
     # batch-8 step 1.48x every 4th, 1.22x every 16th and 1.15x every 32nd
     recall_interval: int = 4
     recall_interval_max: int = 32
+    recall_voters: int = 0
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
     recall_choices: int | None = None
     recall_kernel: bool = True
+
+    def voter_layers(self, layers: int) -> list[int] | None:
+        """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
+        the middle layer of each of `recall_voters` equal spans (None: every layer)."""
+        if not self.recall_voters or self.recall_voters >= layers:
+            return None
+        return [(2 * i + 1) * layers // (2 * self.recall_voters) for i in range(self.recall_voters)]
 
     def choice_interval(self, rows: int) -> int:
         """Decode passes between two choices of a row's window when `rows` rows decode together."""
@@ -104,6 +116,8 @@ class CacheConfig:
                 raise ValueError(f"recall_interval must be >= 1, got {self.recall_interval}")
             if self.recall_interval_max < 1:
                 raise ValueError(f"recall_interval_max must be >= 1, got {self.recall_interval_max}")
+            if self.recall_voters < 0:
+                raise ValueError(f"recall_voters must be >= 0, got {self.recall_voters}")
             if self.recall_queries is not None and self.recall_queries < 1:
                 raise ValueError(f"recall_queries must be >= 1 or None, got {self.recall_queries}")
             if self.recall_span < 0:

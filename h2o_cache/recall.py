@@ -9,7 +9,8 @@ own queries, layer by layer before each layer's attention (InfLLM), and so does 
 body unless `recall_ahead` gives it what its previous chunk's queries choose, all layers in one
 choice, before its pass; a decode step attends with the window the previous step's queries chose,
 and its own queries, pooled over all layers, choose the next one (each of a reply's first
-`recall_burst` steps, then every `recall_interval`-th), on the transformers path as on the fast step
+`recall_burst` steps, then every `recall_interval`-th by the votes of `recall_voters`' layers alone,
+every layer taking its tokens by them), on the transformers path as on the fast step
 (`StaticDecoder`), whose fixed shapes leave no room for a choice inside the step. The
 archive keeps every token, so a token that falls out of the chosen set is not lost, and a token is in
 the window at most once; the window never competes for the budget (its slots are pinned). The
@@ -126,12 +127,12 @@ def newest_blocks(cache: H2OCache, row: int) -> None:
 
 @torch.no_grad()
 def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int] | None = None,
-            done: list[int] | None = None) -> None:
+            done: list[int] | None = None, few: set[int] | frozenset[int] = frozenset()) -> None:
     """Between decode steps: widen the window of every row of `rows` (default all) that can grow, then
     fill it with what the row's queries ([L, B, H_q, D] before RoPE, one token per row) point at
-    (`choose_rows`: the rows' windows written together where the kernel chooses for a device). The
-    rows that chose go to `done`; a row whose choice raises ends the call, and a window it grew holds
-    the archive's newest blocks."""
+    (`choose_rows`: the rows' windows written together where the kernel chooses for a device; the rows
+    of `few` by the votes of `recall_voters`' layers). The rows that chose go to `done`; a row whose
+    choice raises ends the call, and a window it grew holds the archive's newest blocks."""
     rows = list(range(cache.batch_size) if rows is None else rows)
     grown = [row for row in rows if grow(cache, row, fill_newest=False)]  # the choice writes every slot of it
     chose: list[int] = []
@@ -142,7 +143,7 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     else:
         asked_queries = [(row, queries[:, row, :, None]) for row in asked]
     try:
-        choose_rows(cache, asked_queries, scaling, everywhere=True, done=chose)
+        choose_rows(cache, asked_queries, scaling, everywhere=True, done=chose, few=few)
     except Exception:
         for row in grown:
             if row not in chose:
@@ -167,18 +168,20 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
 
 @torch.no_grad()
 def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling: float, layers: slice = slice(None),
-                everywhere: bool = False, per_layer: bool = False, done: list[int] | None = None) -> None:
+                everywhere: bool = False, per_layer: bool = False, done: list[int] | None = None,
+                few: set[int] | frozenset[int] = frozenset()) -> None:
     """`choose` for each (row, queries) of `asked`, in turn. Where the kernel chooses for a window it
     cannot write (a GPU's: `native_recall.ranks`), it names each row's new tokens and the windows of
     all the rows are written together after (`write_rows`: on a GPU two uploads and one set of ops,
-    not per row). The rows that chose go to `done`; a row that raises ends the call, after the windows
-    of the rows before it are written."""
+    not per row). In a choice over all layers (everywhere) the rows of `few` pool the votes of
+    `recall_voters`' layers alone (`CacheConfig.voter_layers`). The rows that chose go to `done`; a row
+    that raises ends the call, after the windows of the rows before it are written."""
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
     if everywhere and kernel_chooses and native_recall.supports(cache) and len(asked) >= max(2, torch.get_num_threads()):
         grouped = [(row, by_kv_head(cache, queries)) for row, queries in asked if cache.recalled[row]]
         if done is not None:
             done.extend(row for row, _ in asked if not cache.recalled[row])
-        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done)  # side by side
+        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done, few)  # side by side
         return
     pending: list[tuple[int, torch.Tensor]] = []
     try:
@@ -188,16 +191,18 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                 grouped = by_kv_head(cache, queries)
                 if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
                     if everywhere:
-                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span)
+                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span, row in few)
                     else:
                         native_recall.choose_blocks(cache, row, grouped, scaling, layers)
                 elif kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
                     before = held(cache, row)[layers].clone()
-                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere)
+                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere, row in few)
                     pending.append((row, before))
                 else:
+                    few_vote = everywhere and layers == slice(None) and row in few
+                    voters = cache.config.voter_layers(cache.spec.num_layers) if few_vote else None
                     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
-                                                        cache.config.recall_span)
+                                                        cache.config.recall_span, voters)
                     fill(cache, row, chosen, layers)
             if done is not None:
                 done.append(row)

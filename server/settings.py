@@ -116,6 +116,10 @@ class ServerSettings(BaseSettings):
         32, ge=1, le=4096, description="most decode steps between two choices of a conversation's recall window, "
                                        "however many conversations decode (at or below --recall-interval: the "
                                        "interval does not grow)")
+    recall_voters: int = Field(
+        0, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
+                                      "after --recall-burst: only their archived keys are read, and every layer takes "
+                                      "its tokens by their votes (0: all layers)")
     recall_choices: int | None = Field(
         None, ge=1, le=65536, description="most conversations that choose their recall window by their latest queries "
                                           "before one decode step; the others wait for the next (a reply's first choice, "
@@ -200,7 +204,7 @@ class ServerSettings(BaseSettings):
                            recall_budget=self.recall, recall_block=self.recall_block,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
-                           recall_interval_max=self.recall_interval_max,
+                           recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:

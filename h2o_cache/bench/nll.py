@@ -167,11 +167,18 @@ def score_batched(gen: Generator, config: CacheConfig, items: list[Item], batch:
     return nll, hits
 
 
+def interval_label(budget: int, recall: int, interval: int, voters: int) -> str:
+    """`h2o B +rN every K`, and ` voters V` where V layers vote in the choices after the burst."""
+    return f"h2o {budget} +r{recall} every {interval}" + (f" voters {voters}" if voters else "")
+
+
 def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,
-         recall_budgets: list[int] | None = None, intervals: list[int] | None = None) -> list[Run]:
+         recall_budgets: list[int] | None = None, intervals: list[int] | None = None,
+         voters: list[int] | None = None) -> list[Run]:
     """`full`, then every policy at every budget, and h2o with a recall budget of `recall` at each of
     `recall_budgets` (default: every budget) as `h2o B +rN`, or with `intervals` once per decode-time
-    choice interval as `h2o B +rN every K`."""
+    choice interval and count of voting layers of `voters` (default: the config's) as `interval_label`
+    names them."""
     runs = [Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))]
     for budget in budgets:
         for policy in policies:
@@ -183,7 +190,9 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
         if not intervals:
             runs.append(Run(f"h2o {budget} +r{recall}", config))
         for k in intervals or []:  # every k steps for every row, however many decode together
-            runs.append(Run(f"h2o {budget} +r{recall} every {k}", replace(config, recall_interval=k, recall_interval_max=k)))
+            for v in voters or [config.recall_voters]:
+                runs.append(Run(interval_label(budget, recall, k, v),
+                                replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v)))
     return runs
 
 
@@ -331,6 +340,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="budgets that also run with --recall (default: all of --budgets)")
     parser.add_argument("--recall-intervals", type=int, nargs="+", default=None,
                         help="run each recall configuration once per decode-time choice interval (recall_interval)")
+    parser.add_argument("--recall-voters", type=int, nargs="+", default=None,
+                        help="with --recall-intervals: run each interval once per count of layers that vote in the "
+                             "choices after the burst (recall_voters; 0: all)")
     parser.add_argument("--text", type=Path, default=None,
                         help="score continuations of this plain text instead of XSum summaries (with --context, --target, --items)")
     parser.add_argument("--context", type=int, default=2048, help="with --text: tokens of the text prefilled")
@@ -369,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     if not items:
         sys.exit(f"no article of {args.data} has a prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
     runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets,
-                intervals=args.recall_intervals)
+                intervals=args.recall_intervals, voters=args.recall_voters)
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
     tokens = torch.tensor([len(item.target) for item in items], dtype=torch.float64)
@@ -399,17 +411,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def interval_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor) -> list[str]:
-    """Each decode-time choice interval's run (`h2o B +rN every K`) against the default interval's at the
-    same budgets, paired per item."""
+    """Each decode-time choice interval's run (`interval_label`) against the default interval and
+    voters' at the same budgets, paired per item."""
     lines = []
     for label in results:
         parts = label.split()
-        if len(parts) != 5 or parts[3] != "every":
+        if len(parts) not in (5, 7) or parts[3] != "every":
             continue
-        default = " ".join([*parts[:4], str(CacheConfig.recall_interval)])
+        default = interval_label(int(parts[1]), int(parts[2][2:]), CacheConfig.recall_interval, CacheConfig.recall_voters)
         if label != default and default in results:
             diff = ratio_of_sums_difference(results[label], results[default], tokens)
-            lines.append(f"- {label} - {default}: {diff} nats/token (negative: better than the default interval)")
+            lines.append(f"- {label} - {default}: {diff} nats/token (negative: better than the default)")
     return lines
 
 

@@ -7,7 +7,8 @@ recall on vs off at the same budget.
   the archiving of what each eviction drops, and every `recall_interval` steps the choice of every
   row's window by its latest queries (bound over all archived blocks, exact logits over the
   candidates, every archived token scored by the pooled votes, the changed slots' tokens copied in;
-  one C++ call on the CPU, and with `--torch-choice` also on the torch ops). Windows of `--steps` steps (>= slack, so each
+  one C++ call on the CPU, and with `--torch-choice` also on the torch ops; with `--voters V`, also with
+  the choices after the burst pooling the votes of V layers, `recall_voters`). Windows of `--steps` steps (>= slack, so each
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off. `--breakdown` adds two more: recall on but never
   choosing (the window's slots, archiving and placing alone), and recall off at budget + recall slots
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-max", type=int, default=CacheConfig.recall_interval_max,
                         help="recall_interval_max: the longest interval a row's grows to (at or below an interval: "
                              "it does not grow)")
+    parser.add_argument("--voters", type=int, nargs="+", default=[],
+                        help="also time each interval with recall_voters V: the choices after the burst read the "
+                             "keys of V layers and pool their votes (0: all layers)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--breakdown", action="store_true",
                         help="also time recall on without choices, and recall off at budget + recall slots")
@@ -147,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     for k in args.intervals:
         configs[f"on, every {k}"] = CacheConfig(budget=args.budget, recall_budget=args.recall, recall_interval=k,
                                                 recall_interval_max=args.interval_max)
+        for voters in args.voters:
+            configs[f"on, every {k}, {voters or 'all'} voting layers"] = replace(configs[f"on, every {k}"],
+                                                                                 recall_voters=voters)
         if args.torch_choice:
             configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
     if args.breakdown:

@@ -10,6 +10,8 @@
 //   2. exact: softmax over the candidates' keys (their fp16 copies, `Archive`) of q.k * scaling,
 //      summed over the queries: each candidate key's attention mass. Where every block is a candidate,
 //      stage 1 is skipped (it could only rank them).
+// Stages 1-2 run for the heads of the `voters` layers alone where the Choice names some (the choices
+// after a reply's burst, `CacheConfig.recall_voters`): only their keys are read.
 // Then, in head order (one thread: the sums' order is fixed), every candidate key's mass is added to
 // the vote of its original position modulo `positions`; each position's vote plus the votes of the
 // positions within `span` of it (summed in fp64, as `selection.span_votes`) scores every archived
@@ -63,7 +65,26 @@ struct Choice {
     uint16_t* window_keys;  // nullable: the window's fp16 copy (`recall.WindowCopy`), kept equal to
     uint16_t* window_values;  // cache_rotated and cache_values at l * window_layer_stride + h * window_head_stride + j * D
     int64_t window_layer_stride, window_head_stride;
+    const int64_t* voters;  // nullable: the layers (ascending, voter_layers of them) whose heads' attention
+    int64_t voter_layers;   // votes; every head of every layer still takes its tokens by those votes
 };
+
+// Whether `voters` names at least one layer, each of the choice's, ascending.
+bool voters_valid(const Choice& c) {
+    if (!c.voters) return true;
+    for (int64_t i = 0; i < c.voter_layers; ++i)
+        if (c.voters[i] < 0 || c.voters[i] >= c.layers || (i && c.voters[i] <= c.voters[i - 1])) return false;
+    return c.voter_layers > 0;
+}
+
+// The heads (layer * heads + head) whose attention votes: those of `voters`' layers, else every head.
+std::vector<int64_t> voting_heads(const Choice& c) {
+    std::vector<int64_t> heads;
+    const int64_t layers = c.voters ? c.voter_layers : c.layers;
+    for (int64_t i = 0; i < layers; ++i)
+        for (int64_t h = 0; h < c.heads; ++h) heads.push_back((c.voters ? c.voters[i] : i) * c.heads + h);
+    return heads;
+}
 // cache_keys null: only `held` and `written` are written, and cos, sin, frequencies, keys, values and
 // the cache's pointers are not read (a window on a device: the slots that changed are copied there).
 
@@ -532,7 +553,7 @@ int choose(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, n = c.blocks * B;
     const int64_t K = c.candidates * B, mask = c.positions - 1;
     if (c.positions <= 0 || (c.positions & mask) || r > n || r <= 0 || c.candidates > c.blocks || c.dim % 8 || c.length < r
-        || (c.archive_fp16 && c.dim > 512))
+        || (c.archive_fp16 && c.dim > 512) || !voters_valid(c))
         return 1;
     const int threads = static_cast<int>(c.threads);
     // kept between calls (fresh pages of these sizes would fault on every touch of every choice); the
@@ -549,12 +570,14 @@ int choose(const Choice& c, int32_t* written) {
         mass_store.resize(heads * K);
         int64_t* const candidates = candidates_store.data();
         float* const mass = mass_store.data();
+        const std::vector<int64_t> voting = voting_heads(c);  // only these heads' keys are read
+        const int64_t voters = static_cast<int64_t>(voting.size());
 #pragma omp parallel num_threads(threads)
         {
             Scratch scratch;
 #pragma omp for schedule(static)
-            for (int64_t head = 0; head < heads; ++head)
-                rank_head(c, head, scratch, candidates + head * K, mass + head * K);
+            for (int64_t i = 0; i < voters; ++i)
+                rank_head(c, voting[i], scratch, candidates + voting[i] * K, mass + voting[i] * K);
         }
         // one thread, in head order: the votes' sums do not depend on the thread count. votes and
         // scores are zero between calls outside what a call writes, which it clears again.
@@ -566,7 +589,7 @@ int choose(const Choice& c, int32_t* written) {
             prefix.resize(c.positions + 1);
         }
         int64_t low = c.positions, high = -1;  // the positions voted for lie in [low, high]
-        for (int64_t head = 0; head < heads; ++head)
+        for (const int64_t head : voting)
             for (int64_t k = 0; k < K; ++k) {
                 const int64_t p = c.origins[head * c.capacity + candidates[head * K + k]] & mask;
                 votes[p] += mass[head * K + k];

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.nll import (Item, grid, interval_differences, load_items, load_text_items, report, score, score_batched,
-                                 sweep, sweep_differences, targets)
+from h2o_cache.bench.nll import (Item, grid, interval_differences, interval_label, load_items, load_text_items, report,
+                                 score, score_batched, sweep, sweep_differences, targets)
 from tests.conftest import ByteTokenizer
 
 
@@ -192,16 +192,19 @@ def test_text_items_are_evenly_spaced_windows_of_the_text(tiny_model, tmp_path):
 
 
 def test_recall_intervals_run_each_configuration_once_per_interval_and_pair_with_the_default():
-    runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[1, 16, 32])
+    runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[1, 16, 32], voters=[0])
     assert [(r.label, r.config.choice_interval(8)) for r in runs if "+r" in r.label] == [
         ("h2o 256 +r128 every 1", 1), ("h2o 256 +r128 every 16", 16), ("h2o 256 +r128 every 32", 32)]  # not grown
+    runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[2], voters=[0, 5])
+    assert [(r.label, r.config.recall_voters) for r in runs if "+r" in r.label] == [
+        ("h2o 256 +r128 every 2", 0), ("h2o 256 +r128 every 2 voters 5", 5)]
     tokens = torch.tensor([10.0, 20.0, 30.0])
     full = torch.tensor([20.0, 40.0, 60.0])
-    default = f"h2o 256 +r128 every {CacheConfig.recall_interval}"
+    default = interval_label(256, 128, CacheConfig.recall_interval, CacheConfig.recall_voters)
     results = {"full": full, "h2o 256": full + tokens * 0.1, default: full + tokens * 0.05,
                "h2o 256 +r128 every 1": full + tokens * 0.02}
     assert interval_differences(results, tokens) == [
         f"- h2o 256 +r128 every 1 - {default}: -0.0300 [-0.0300, -0.0300] nats/token "
-        "(negative: better than the default interval)"]
+        "(negative: better than the default)"]
     lines = targets(results, tokens, [256])  # the interval runs are recall runs at budget 256
     assert any(line.startswith("- h2o 256 +r128 every 1 - h2o 256: -0.0800") for line in lines)

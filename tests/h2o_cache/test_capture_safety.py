@@ -79,7 +79,7 @@ def test_steps_with_evictions_and_window_choices_never_reallocate_what_the_step_
 def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_archive_select_picks():
     """`h2o_cache.selection`, both stages and the candidates' bookkeeping, as a device would run them in
     a captured step: no host read, no data-dependent shape; the same blocks `Archive.select` returns."""
-    from h2o_cache.archive import CANDIDATES, POSITIONS, Archive
+    from h2o_cache.archive import CANDIDATES, POSITIONS, Archive, _voting
     from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes,
                                      token_mass, token_votes, top_blocks)
 
@@ -106,7 +106,13 @@ def test_the_ranking_of_archived_blocks_runs_without_host_reads_and_picks_what_a
         # a choice everywhere: every token of every head scored by the pooled votes of its neighbourhood
         votes = span_votes(position_votes(token_mass(queries, picked, 0.5), at, POSITIONS), CacheConfig.recall_span)
         everywhere = top_blocks(token_votes(votes, state["origins"]), wanted * block).sort(dim=-1).values
+        # the same by the votes of layer 1 alone (`recall_voters`), every layer taking its tokens by them
+        votes = span_votes(position_votes(_voting(token_mass(queries, picked, 0.5), [1]), at, POSITIONS),
+                           CacheConfig.recall_span)
+        few = top_blocks(token_votes(votes, state["origins"]), wanted * block).sort(dim=-1).values
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert torch.equal(chosen, archive.select(queries, 0.5, wanted * block))
     assert torch.equal(alone, archive.select(queries, 0.5, wanted * block, per_layer=True))
     assert torch.equal(everywhere, archive.select(queries, 0.5, wanted * block, everywhere=True))
+    assert torch.equal(few, archive.select(queries, 0.5, wanted * block, everywhere=True, voters=[1]))
+    assert not torch.equal(few, everywhere)

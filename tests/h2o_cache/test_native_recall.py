@@ -73,6 +73,33 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
     assert kernel.recall_count[0] > 2 * kernel.recalled[0]  # the windows changed along the way
 
 
+@pytest.mark.parametrize("voters, layers", [(2, [1, 3]), (1, [2]), (4, None)])
+def test_the_kernel_chooses_by_the_votes_of_a_few_layers_as_the_torch_ops_do(voters, layers):
+    """`recall_voters`: in a choice after the burst (`few`) only the heads of a few layers (of 4: layers
+    1 and 3, or layer 2; 4 voters: all) vote, and every head of every layer takes its tokens by their
+    votes, as the torch ops choose; the votes of all layers choose otherwise. A choice in the burst
+    (not `few`) still pools every layer's votes."""
+    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3, layers=4)
+    gen, cache = conversation(model, recall_voters=voters)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    assert cache.config.voter_layers(4) == layers
+    kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
+    everyone, burst = twin(gen, cache, recall_voters=0), twin(gen, cache)
+    generator = torch.Generator().manual_seed(4)
+    queries = cache._queries
+    differs = 0
+    for noise in (0.0, 0.5, 1.0, 2.0, 4.0):
+        asked = queries + noise * torch.randn(queries.shape, generator=generator)
+        for copy in (kernel, torch_ops, everyone):
+            recall.refresh(copy, asked, copy.spec.scaling, [0], few={0})
+        recall.refresh(burst, asked, burst.spec.scaling, [0])
+        assert_same_windows(model, kernel, torch_ops)
+        assert torch.equal(burst.windows[0][1], everyone.windows[0][1])
+        differs += not torch.equal(kernel.windows[0][1], everyone.windows[0][1])
+    assert differs >= 3 if layers is not None else differs == 0
+
+
 @pytest.mark.parametrize("heads, kv_heads, chunk, layers", [(4, 2, 8, (0, 1)), (8, 1, 12, (1, 2)), (4, 4, 30, (0, 2))])
 def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, kv_heads, chunk, layers):
     """A prefill chunk's choice by whole blocks, votes pooled over the heads of its layers: query

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall, selection
-from h2o_cache.cache import FIRST
+from h2o_cache.cache import BURST, FIRST, INTERVAL
 from h2o_cache.rope import rotate
 from h2o_cache.quantized import NativeStep
 from tests.conftest import ByteTokenizer, tiny_llama
@@ -410,7 +410,7 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
         queries = torch.stack([out[:, -1].view(2, -1, d) for out in captured])
         torch.testing.assert_close(decoder.queries[:, :2], queries, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(eager._queries[:, :2], queries, rtol=1e-4, atol=1e-4)
-        assert decoder.cache.due == eager.due == [True, True]
+        assert decoder.cache.due == eager.due and all(decoder.cache.due)
         assert decoder.cache.recalled == eager.recalled == [16, 16] and decoder.cache.lengths == eager.lengths
         for row in range(2):
             assert torch.equal(decoder.cache.windows[row][1], eager.windows[row][1])
@@ -442,22 +442,26 @@ def test_the_fast_path_chooses_after_a_prefill_through_the_burst_and_every_inter
     gen = Generator(peaked_model, ByteTokenizer(), config)
     decoder = StaticDecoder(peaked_model, config, max_rows=2)
     recalling_rows(gen, (40, 41), [decoder])
-    refreshed = []
+    refreshed, few = [], []
     refresh = recall.refresh
     monkeypatch.setattr(recall, "refresh", lambda cache, queries, scaling, rows, **kw:
-                        refreshed.extend([decoder.steps] * len(rows)) or refresh(cache, queries, scaling, rows, **kw))
+                        refreshed.extend([decoder.steps] * len(rows)) or few.extend(row in kw["few"] for row in rows)
+                        or refresh(cache, queries, scaling, rows, **kw))
     for step in range(1, 13):
         counts, windows = list(decoder.cache.recall_count), [w[1].clone() for w in decoder.cache.windows]
         keys = decoder.cache.buffers().keys[:, :2, :, :16].clone()
         logits = decoder.step()
-        assert decoder.cache.due == [chooses(step)] * 2 and decoder.cache.decoded == [step] * 2
+        assert [bool(d) for d in decoder.cache.due] == [chooses(step)] * 2 and decoder.cache.decoded == [step] * 2
+        assert decoder.cache.due == [BURST if step < burst else INTERVAL if chooses(step) else 0] * 2
         if not chooses(step - 1):  # no choice was due before this step
             assert decoder.cache.recall_count == counts
             assert all(torch.equal(w[1], before) for w, before in zip(decoder.cache.windows, windows))
             assert torch.equal(decoder.cache.buffers().keys[:, :2, :, :16], keys)
         decoder.cache.pending = [[t] for t in logits.argmax(-1).tolist()]
-    # each row's choice runs at the start of its step, before it is fed
+    # each row's choice runs at the start of its step, before it is fed; those after the burst by the
+    # votes of `recall_voters`' layers (`few`), the reply's first and the burst's by every layer's
     assert refreshed == [k for k in range(12) if chooses(k) for _ in range(2)]
+    assert few == [k >= max(burst, 1) for k in refreshed]
 
 
 def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model, monkeypatch):
@@ -468,7 +472,7 @@ def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model,
     decoder = StaticDecoder(peaked_model, config, max_rows=2)
     recalling_rows(gen, (60, 61), [decoder])
     decoder.cache.pending = [[t] for t in decoder.step().argmax(-1).tolist()]
-    assert decoder.cache.due == [True, True]
+    assert all(decoder.cache.due)
     lengths, seen = list(decoder.cache.lengths), list(decoder.cache.seen)
     choose_rows = recall.choose_rows
 
@@ -482,7 +486,7 @@ def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model,
     monkeypatch.setattr(recall, "choose_rows", failing)
     with pytest.raises(RuntimeError, match="injected"):
         decoder.step()
-    assert decoder.cache.due == [False, True] and decoder.cache.seen == seen and decoder.cache.lengths == lengths
+    assert not decoder.cache.due[0] and decoder.cache.due[1] and decoder.cache.seen == seen and decoder.cache.lengths == lengths
     with pytest.raises(RuntimeError, match="injected"):  # the transformers path fails before feeding too
         gen.step(decoder.cache, decoder.cache.pending)
     assert decoder.cache.seen == seen
@@ -582,9 +586,10 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
     calls, stored = [], []
     choose_rows, step = recall.choose_rows, gen.step
 
-    def recording_choose(cache, asked, scaling, layers=slice(None), everywhere=False, per_layer=False, done=None):
+    def recording_choose(cache, asked, scaling, layers=slice(None), everywhere=False, per_layer=False, done=None,
+                         **kw):
         calls[-1].extend((layers, queries.clone(), per_layer) for _, queries in asked)
-        return choose_rows(cache, asked, scaling, layers, everywhere, per_layer, done)
+        return choose_rows(cache, asked, scaling, layers, everywhere, per_layer, done, **kw)
 
     def recording_step(cache, pieces, ahead_rows=None):
         calls.append([])
@@ -689,7 +694,7 @@ def test_capped_choices_serve_a_replys_first_choice_first_then_the_rows_in_turn(
     logits = gen.prefill(row, [random_tokens(5, 73)], recall=True)
     row.pending = [[int(logits[0].argmax())]]
     decoder.cache.extend(row)  # now rows 0, 1 (was 2), 2 (re-prefilled)
-    assert decoder.cache.due == [1, 1, FIRST]
+    assert decoder.cache.due == [INTERVAL, INTERVAL, FIRST]
     chose.clear()
     for _ in range(5):
         decoder.cache.pending = [[t] for t in decoder.step().argmax(-1).tolist()]
