@@ -77,10 +77,14 @@ class CacheConfig:
     # measured (RESULTS.md, "How often a decode step chooses"): 160-token continuations of a 2k-token
     # text lose 0.044 nats/token choosing every 16th step against every step, 0.015 every 4th, and every
     # 32nd is as good as every 16th; a batch-1 CPU step costs 1.18x with recall every 4th step, a
-    # batch-8 step 1.48x every 4th, 1.22x every 16th and 1.15x every 32nd
-    recall_interval: int = 4
+    # batch-8 step 1.48x every 4th, 1.22x every 16th and 1.15x every 32nd; with 5 voting layers
+    # (RESULTS.md, "Choices by the votes of a few layers") every 3rd step costs a batch-1 step 1.17x
+    recall_interval: int = 3
     recall_interval_max: int = 32
-    recall_voters: int = 0
+    # measured: continuations' NLL with 5 of 30 layers voting equals all 30's at every interval tried
+    # (every step 3.435 vs 3.436, every 4th 3.453 vs 3.451, every 16th 3.479 vs 3.481); a choice reads a
+    # sixth of the keys, but its tokens' copies stay: ~1.9 ms in a batch-1 loop against ~2.7 ms
+    recall_voters: int = 5
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00

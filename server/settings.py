@@ -107,7 +107,7 @@ class ServerSettings(BaseSettings):
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")
     recall_interval: int = Field(
-        4, ge=1, le=4096, description="decode steps between two choices of a conversation's recall window by its "
+        3, ge=1, le=4096, description="decode steps between two choices of a conversation's recall window by its "
                                       "latest queries after --recall-burst, when it decodes alone; with n "
                                       "conversations decoding, n times this (at most --recall-interval-max), so "
                                       "choosing costs about the same share of a step at any batch (every prefill "
@@ -117,7 +117,7 @@ class ServerSettings(BaseSettings):
                                        "however many conversations decode (at or below --recall-interval: the "
                                        "interval does not grow)")
     recall_voters: int = Field(
-        0, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
+        5, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
                                       "after --recall-burst: only their archived keys are read, and every layer takes "
                                       "its tokens by their votes (0: all layers)")
     recall_choices: int | None = Field(
