@@ -82,8 +82,9 @@ class CacheConfig:
     recall_interval: int = 3
     recall_interval_max: int = 32
     # measured: continuations' NLL with 5 of 30 layers voting equals all 30's at every interval tried
-    # (every step 3.435 vs 3.436, every 4th 3.453 vs 3.451, every 16th 3.479 vs 3.481); a choice reads a
-    # sixth of the keys, but its tokens' copies stay: ~1.9 ms in a batch-1 loop against ~2.7 ms
+    # (every 4th 3.453 vs 3.451, every 16th 3.479 vs 3.481; every step, layers 2, 8, .., 26 by the
+    # torch ops: 3.435 vs 3.436); a choice reads a sixth of the keys, but its tokens' copies stay:
+    # ~1.9 ms in a batch-1 loop against ~2.7 ms
     recall_voters: int = 5
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)

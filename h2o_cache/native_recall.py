@@ -89,24 +89,24 @@ def ranks(cache) -> bool:
 
 @torch.no_grad()
 def assign(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool,
-           few: bool = False) -> None:
-    """Make the choice of `choose` (everywhere: over all layers; few as there) or `choose_blocks` (else,
-    for the contiguous `layers`) and write only which slot takes which token into the row's
+           voters: list[int] | None = None) -> None:
+    """Make the choice of `choose` (everywhere: over all layers; voters as there) or `choose_blocks`
+    (else, for the contiguous `layers`) and write only which slot takes which token into the row's
     `recall.held` (a slot whose token stays chosen keeps it), not the window itself:
     `recall.write_rows` copies the tokens of the slots that changed to where the window lives."""
     function = kernel().h2o_recall_choose if everywhere else kernel().h2o_recall_choose_blocks
     _run(function, cache, row, queries, scaling, layers, cache.config.recall_span if everywhere else 0, window=False,
-         few=everywhere and few)
+         voters=voters)
 
 
 @torch.no_grad()
-def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int, few: bool = False) -> None:
+def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int, voters: list[int] | None = None) -> None:
     """`recall.choose(cache, row, ..., everywhere=True)`: fill the row's window (r = recalled[row] slots
     per layer and KV head) with the r archived tokens per head whose positions, with their neighbours'
     within `span`, drew the most of `queries`' ([L, H_kv, Q, D] before RoPE, grouped by KV head)
-    pooled attention (few: of the heads of `recall_voters`' layers alone); only the slots whose token
-    changed are rewritten."""
-    _run(kernel().h2o_recall_choose, cache, row, queries, scaling, slice(None), span, few=few)
+    pooled attention (of the heads of the layers `voters` alone, where given); only the slots whose
+    token changed are rewritten."""
+    _run(kernel().h2o_recall_choose, cache, row, queries, scaling, slice(None), span, voters=voters)
 
 
 @torch.no_grad()
@@ -118,10 +118,10 @@ def choose_blocks(cache, row: int, queries: torch.Tensor, scaling: float, layers
 
 
 def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
-         window: bool = True, few: bool = False) -> None:
+         window: bool = True, voters: list[int] | None = None) -> None:
     """Call a choice of the kernel on the row's archive and window, for the layers `layers` (window
-    False: only the row's `recall.held` is written; few: by `recall_voters`' votes, layers all)."""
-    choice, written, keep = _prepare(cache, row, queries, scaling, layers, span, window, few)
+    False: only the row's `recall.held` is written; voters: see `_prepare`)."""
+    choice, written, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
@@ -131,14 +131,16 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
 
 @torch.no_grad()
 def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, span: int,
-                done: list[int] | None = None, few: set[int] | frozenset[int] = frozenset()) -> None:
+                done: list[int] | None = None, voters: dict[int, list[int] | None] | None = None) -> None:
     """`choose` for each (row, queries) of `asked` in one kernel call, each row's choice on one
     thread, as many rows at a time as threads: a row's choice is bound by memory and has a serial
     stage (the votes, in head order), so two rows side by side take less than one after the other on
     two threads. Each row's result is the one `choose` gives (it does not depend on the threads).
     The rows that chose go to `done`; where a row's choice was refused, the others still chose and
-    this raises after. The rows of `few` pool the votes of `recall_voters`' layers alone."""
-    prepared = [(row, *_prepare(cache, row, queries, scaling, slice(None), span, True, row in few))
+    this raises after. voters[row]: the layers whose heads alone vote in the row's choice (absent or
+    None: all)."""
+    voters = voters or {}
+    prepared = [(row, *_prepare(cache, row, queries, scaling, slice(None), span, True, voters.get(row)))
                 for row, queries in asked]
     choices = (_Choice * len(prepared))(*[choice for _, choice, _, _ in prepared])
     written = (ctypes.c_void_p * len(prepared))(*[w.data_ptr() for _, _, w, _ in prepared])
@@ -157,10 +159,10 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
 
 
 def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
-             window: bool, few: bool = False) -> tuple[_Choice, torch.Tensor, tuple]:
-    """The kernel's `Choice` for the row's archive and window in `layers` (few: a choice over all
-    layers by the votes of `recall_voters`' layers alone), the [L', H] counts it writes, and the
-    tensors its pointers read (to keep alive until the call returns)."""
+             window: bool, voters: list[int] | None = None) -> tuple[_Choice, torch.Tensor, tuple]:
+    """The kernel's `Choice` for the row's archive and window in `layers` (voters: for a choice over
+    all layers, the layers whose heads alone vote; None: all of them), the [L', H] counts it writes,
+    and the tensors its pointers read (to keep alive until the call returns)."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()
@@ -182,7 +184,6 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
         held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
     keep: tuple = (queries,)
-    voters = cache.config.voter_layers(all_layers) if few and layers == slice(None) else None
     if voters is not None:  # only these layers' keys are read; every head takes its tokens by their votes
         voting = torch.tensor(voters, dtype=torch.int64)
         keep += (voting,)

@@ -177,11 +177,13 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
     `recall_voters`' layers alone (`CacheConfig.voter_layers`). The rows that chose go to `done`; a row
     that raises ends the call, after the windows of the rows before it are written."""
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
+    few_layers = cache.config.voter_layers(cache.spec.num_layers) if everywhere and layers == slice(None) else None
+    voters = {row: few_layers if row in few else None for row, _ in asked}  # None: every layer of `layers` votes
     if everywhere and kernel_chooses and native_recall.supports(cache) and len(asked) >= max(2, torch.get_num_threads()):
         grouped = [(row, by_kv_head(cache, queries)) for row, queries in asked if cache.recalled[row]]
         if done is not None:
             done.extend(row for row, _ in asked if not cache.recalled[row])
-        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done, few)  # side by side
+        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done, voters)  # side by side
         return
     pending: list[tuple[int, torch.Tensor]] = []
     try:
@@ -191,18 +193,16 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                 grouped = by_kv_head(cache, queries)
                 if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
                     if everywhere:
-                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span, row in few)
+                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span, voters[row])
                     else:
                         native_recall.choose_blocks(cache, row, grouped, scaling, layers)
                 elif kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
                     before = held(cache, row)[layers].clone()
-                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere, row in few)
+                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere, voters[row])
                     pending.append((row, before))
                 else:
-                    few_vote = everywhere and layers == slice(None) and row in few
-                    voters = cache.config.voter_layers(cache.spec.num_layers) if few_vote else None
                     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
-                                                        cache.config.recall_span, voters)
+                                                        cache.config.recall_span, voters[row])
                     fill(cache, row, chosen, layers)
             if done is not None:
                 done.append(row)
