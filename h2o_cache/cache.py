@@ -330,14 +330,11 @@ class H2OCache:
         if over:
             compaction.evict(self, over)
 
-    def choose_due(self, rows: list[int] | None = None) -> None:
-        """Before a decode pass: every row of `rows` (default all) whose choice is due widens its window
-        if it can and fills it with what its last decode queries point at (`recall.refresh`). A row
-        whose choice raises stays due; the rows before it have chosen.
-
-        With `recall_choices` C, at most C rows choose: those whose due choice is their reply's first
-        (`FIRST`) first, then the others in turn from where the last capped pass stopped; the rest stay
-        due for the next pass, and choose by the queries of the step before it."""
+    def choosing(self, rows: list[int] | None = None) -> list[int]:
+        """The rows of `rows` (default all) that make their due choice before the next decode pass: every
+        due row, or with `recall_choices` C at most C of them, those whose due choice is their reply's
+        first (`FIRST`) first, then the others in turn from where the last capped pass stopped (the rest
+        stay due for the next pass, and choose by the queries of the step before it)."""
         due = [row for row in (range(self.batch_size) if rows is None else rows) if self.due[row]]
         cap = self.config.recall_choices
         if cap is not None and len(due) > cap:
@@ -345,10 +342,20 @@ class H2OCache:
             due.sort(key=lambda row: (-self.due[row], (row - start) % self.batch_size))
             due = due[:cap]
             self._choice_turn = due[-1] + 1
+        return due
+
+    def choose_due(self, rows: list[int] | None = None, queries: torch.Tensor | None = None) -> None:
+        """Before a decode pass: every row of `rows` (default all) whose choice is due (`choosing`, which
+        caps them) widens its window if it can and fills it with what its last decode queries point at
+        (`recall.refresh`; queries: [L, B, H_q, D] to choose by instead of `_queries`, as a host copy of
+        them that the fast step took on a GPU). A row whose choice raises stays due; the rows before it
+        have chosen."""
+        due = self.choosing(rows)
         chose: list[int] = []
         try:
             few = {row for row in due if self.due[row] == INTERVAL}  # by the votes of `recall_voters`' layers
-            recall.refresh(self, self._queries, self.spec.scaling, due, done=chose, few=few)
+            recall.refresh(self, self._queries if queries is None else queries, self.spec.scaling, due, done=chose,
+                           few=few)
         finally:
             for row in chose:
                 self.due[row] = 0

@@ -57,6 +57,11 @@ class CacheConfig:
         rows in turn). None: every due row. A choice that runs on the host for a cache on a GPU costs
         more than a whole batched step there (RESULTS.md, "The GPU path, run"), so a server on a GPU
         caps it.
+    recall_overlap: the fast step (`StaticDecoder`) makes a decode pass's due choices (all but a reply's
+        first) while the pass runs on the device, by the queries of the pass before it, so that the
+        window it chooses is read from the pass after (one pass older than choosing before the pass):
+        the host's choice hides behind the device's step. None: on a GPU, not on the CPU, whose step
+        runs on the same cores as the choice.
     recall_kernel: a decode step's choice over all layers runs in one C++ call on the CPU
         (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
     """
@@ -90,6 +95,7 @@ class CacheConfig:
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
     recall_choices: int | None = None
+    recall_overlap: bool | None = None
     recall_kernel: bool = True
 
     def voter_layers(self, layers: int) -> list[int] | None:

@@ -20,18 +20,26 @@ With recall, the step also leaves every row's queries before RoPE in the cache's
 write, no read-back); after a prefill, through a reply's first `recall_burst` steps and then every
 `recall_interval` steps, they choose each row's recall window at the start of the next step
 (`H2OCache.choose_due`, as the transformers path does). The choice runs on the archive in host
-memory, outside the step and its graphs; the step's shapes and buffers never change.
+memory, outside the step and its graphs; the step's shapes and buffers never change. On a GPU
+(`CacheConfig.recall_overlap`) the choices after a reply's first run while the device runs the step:
+their queries are copied down before it, and the windows they write are queued behind it, for the
+step after (a window one step older than before the step).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from h2o_cache.cache import H2OCache
+from h2o_cache.cache import FIRST, H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.decode import decode_step
 from h2o_cache.hf import decoder_weights, model_spec
 from h2o_cache.quantized import EXACT, NativeStep, fastest_activations, gguf_matrices, kernel
+from h2o_cache.transfer import download
+
+log = logging.getLogger(__name__)
 
 # Above this many rows MKL's fp32 products beat the quantized kernel called op by op on a 2-core AVX2
 # CPU (`python -m h2o_cache.bench.speed --only fast-vs-eager`); the native step beats them at any size.
@@ -98,6 +106,9 @@ class StaticDecoder:
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
         self.queries = self.cache._queries  # [L, max_rows, H_q, D] with recall: each row's last queries before RoPE
         self.steps = 0
+        overlap = config.recall_overlap
+        self.overlap = config.recalls and (device.type == "cuda" if overlap is None else overlap)
+        self._serial_once = False  # a choice beside the step raised: the next step's choices go before it
         self.native = None
         if native is not False and self.quantized_weights is not None:
             args = (self.quantized_weights, self.cache.buffers(), self._cos, self._sin)
@@ -126,7 +137,9 @@ class StaticDecoder:
         transformers path without feeding a token twice. With recall, the rows whose choice is due
         (`H2OCache.choose_due`: a reply's first `recall_burst` steps, then every `recall_interval`)
         choose their windows by the last queries first (a choice that raises does so before anything
-        is fed); pending tokens are left for the caller to replace with the next sampled ones.
+        is fed); pending tokens are left for the caller to replace with the next sampled ones. With
+        `overlap` (a GPU's default, `CacheConfig.recall_overlap`) only a reply's first choice goes
+        before the step: the others run on the host while the device runs it (`_advance_choosing`).
         """
         cache = self.cache
         rows = cache.batch_size
@@ -140,7 +153,7 @@ class StaticDecoder:
         if cache.buffers().keys is not self._storage:
             raise RuntimeError("the batch cache was reallocated; its graphs would read freed memory")
         bucket = next(b for b in self.buckets if b >= rows)
-        cache.choose_due()
+        beside, queries = self._choose_before()
         # the last step's upload has left the staging buffer (long since: its tokens were downloaded)
         if self._uploaded is not None and not self._uploaded.query():
             self._uploaded.synchronize()
@@ -155,9 +168,58 @@ class StaticDecoder:
             graph.replay()
         else:
             logits = self._run(bucket)
-        cache.advance([1] * rows, evict=evict)
+        if beside:
+            self._advance_choosing(beside, queries, evict)
+        else:
+            cache.advance([1] * rows, evict=evict)
         self.steps += 1
         return logits[:rows]
+
+    def _choose_before(self) -> tuple[list[int], tuple | None]:
+        """The choices due before a step: made here, or with `overlap` (all but a reply's first, which
+        answers its question) left to run beside the step. Returns those rows and their queries' host
+        copy on its way down (`download`'s views and event), taken before the step overwrites them."""
+        cache = self.cache
+        if not self.overlap or self._serial_once:
+            self._serial_once = False
+            cache.choose_due()
+            return [], None
+        first = [row for row, due in enumerate(cache.due) if due == FIRST]
+        if first:
+            cache.choose_due(first)
+        beside = cache.choosing()
+        if not beside:
+            return [], None
+        picked = torch.stack([self.queries[:, row] for row in beside], dim=1)
+        if picked.device.type != "cuda":  # the CPU (tests): nothing to wait for
+            return beside, (picked, None)
+        (picked,), copied = download([(picked,)])
+        return beside, (picked[0], copied)
+
+    def _advance_choosing(self, beside: list[int], queries: tuple, evict: bool) -> None:
+        """After a step is queued: count its tokens, make the choices of `beside` on the host while the
+        device runs the step, by the queries of the step before it (the windows they write are queued
+        behind the step, so the next step reads them), then evict the rows over budget with `evict`. A choice that
+        raises here, after the step fed its tokens, leaves its row due and the next step's choices
+        go before it, where a raise comes before anything is fed."""
+        cache, rows = self.cache, self.cache.batch_size
+        due, cache.due = cache.due, [0] * rows
+        cache.advance([1] * rows, evict=False)  # the choices first: an eviction's archiving waits for the step
+        later, cache.due = cache.due, due  # the choices due after this step, kept for the next
+        try:
+            picked, copied = queries
+            if copied is not None:
+                copied.synchronize()  # the copy was queued before the step: waits for the step before it
+            host = picked.new_zeros(picked.shape[0], rows, *picked.shape[2:])
+            host[:, beside] = picked
+            cache.choose_due(beside, host)
+        except Exception:
+            log.warning("a recall choice beside the step failed; the next step chooses before it", exc_info=True)
+            self._serial_once = True
+        finally:
+            cache.due = [max(now, after) for now, after in zip(cache.due, later)]
+        if evict:
+            cache.evict_over_budget()
 
     def inputs(self, bucket: int) -> torch.Tensor:
         """[3, bucket] int64 on the device: the tokens, slots and origins a step of `bucket` rows reads."""

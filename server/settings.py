@@ -125,6 +125,10 @@ class ServerSettings(BaseSettings):
                                           "before one decode step; the others wait for the next (a reply's first choice, "
                                           "by its question, goes first); unset: all on the CPU, 1 on a GPU, where a "
                                           "choice runs on the host and costs more than a batched step (RESULTS.md)")
+    recall_overlap: bool | None = Field(
+        None, description="make the due choices of the recall window (all but a reply's first) on the host while the "
+                          "device runs the decode step, by the queries of the step before it (a window one step "
+                          "older); unset: on a GPU, not on the CPU, whose step runs on the same cores")
     recall_queries: int | None = Field(
         None, ge=1, le=65536, description="most queries per head of a prefill chunk that choose its recall window, "
                                           "evenly spaced; unset: all of them (16 of 64: prefill 1.35x recall-off "
@@ -205,7 +209,8 @@ class ServerSettings(BaseSettings):
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
-                           recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices)
+                           recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,
+                           recall_overlap=self.recall_overlap)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

@@ -18,7 +18,8 @@ What FakeTensorMode cannot model on a CPU-only build is stubbed, and only that:
 - events, streams and CUDA graphs: an event's `query` answers True (the copies it waits for were
   issued a step earlier, and the step's token download has synchronized the stream since); its
   `synchronize` counts a sync; a graph's capture runs its body once under the audit, `replay` does
-  nothing (fake tensors hold no values to recompute);
+  nothing (fake tensors hold no values to recompute); `timeline` lists replays, event records and
+  waits, and other syncs in order (what a step waits for once its graph is queued);
 - `Tensor.copy_`, `__getitem__`, `__setitem__`, `__invert__` and `item`, whose Python bindings take a CUDA device guard that a
   CPU-only build cannot create: routed to the aten ops the bindings call (views for basic
   indices, then `index` / `index_put_`, `copy_` or `fill_`).
@@ -26,6 +27,7 @@ What FakeTensorMode cannot model on a CPU-only build is stubbed, and only that:
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from unittest import mock
@@ -96,6 +98,9 @@ class FakeCuda(HostReads):
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.copies: list[Copy] = []
         self.explicit_syncs = 0  # event, stream and device synchronize calls
+        # in order: ("replay",) a graph's replay, ("record", e) and ("wait", e) an event's record and
+        # synchronize, ("sync",) any other host sync
+        self.timeline: list[tuple] = []
         self.mixed: list = []
         self.casts: list[tuple[torch.dtype, torch.dtype, int]] = []  # (from, to, elements) on the device
         self._pinned: set[int] = set()  # storage addresses of memory allocated as pinned
@@ -155,15 +160,20 @@ class FakeCuda(HostReads):
         return out
 
     def _record(self, upload: bool, host: torch.Tensor, other: torch.Tensor, non_blocking: bool) -> None:
-        self.copies.append(Copy(upload, non_blocking, self.pinned(host),
-                                host.is_contiguous() and other.is_contiguous(), host.numel()))
+        self._copied(Copy(upload, non_blocking, self.pinned(host), host.is_contiguous() and other.is_contiguous(),
+                          host.numel()))
+
+    def _copied(self, copy: Copy) -> None:
+        self.copies.append(copy)
+        if copy.syncs:
+            self.timeline.append(("sync",))
 
     def _download(self, source: torch.Tensor, kwargs: dict) -> torch.Tensor:
         non_blocking = kwargs.get("non_blocking", False)
         with unset_fake_temporarily():
             out = torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
         # PyTorch stages a non-blocking download in pinned memory
-        self.copies.append(Copy(False, non_blocking, non_blocking, source.is_contiguous(), source.numel()))
+        self._copied(Copy(False, non_blocking, non_blocking, source.is_contiguous(), source.numel()))
         return out
 
     def _download_into(self, target: torch.Tensor, source: torch.Tensor, non_blocking: bool) -> torch.Tensor:
@@ -175,12 +185,14 @@ class FakeCuda(HostReads):
 
 @contextmanager
 def _patched(audit: FakeCuda):
+    made = itertools.count()
+
     class Event:
         def __init__(self, *args, **kwargs):
-            pass
+            self.n = next(made)
 
         def record(self, stream=None):
-            pass
+            audit.timeline.append(("record", self.n))
 
         def query(self) -> bool:
             return True
@@ -190,6 +202,7 @@ def _patched(audit: FakeCuda):
 
         def synchronize(self):
             audit.explicit_syncs += 1
+            audit.timeline.append(("wait", self.n))
 
     class Stream(Event):
         def wait_stream(self, other):
@@ -200,7 +213,7 @@ def _patched(audit: FakeCuda):
 
     class Graph:
         def replay(self):
-            pass
+            audit.timeline.append(("replay",))
 
         def pool(self):
             return None
@@ -211,6 +224,7 @@ def _patched(audit: FakeCuda):
 
     def synchronize(device=None):
         audit.explicit_syncs += 1
+        audit.timeline.append(("sync",))
 
     def copy_(self, src, non_blocking=False):
         return aten.copy_.default(self, src, non_blocking)

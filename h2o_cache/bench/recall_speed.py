@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--breakdown", action="store_true",
                         help="also time recall on without choices, and recall off at budget + recall slots")
+    parser.add_argument("--serial", action="store_true",
+                        help="also time each interval with the choices before the step (recall_overlap False), where "
+                             "they run beside it by default (a GPU)")
     parser.add_argument("--torch-choice", action="store_true",
                         help="also time each interval with a decode step's choice on the torch ops (recall_kernel=False)")
     parser.add_argument("--reps", type=int, default=7)
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         for voters in args.voters:
             configs[f"on, every {k}, {voters or 'all'} voting layers"] = replace(configs[f"on, every {k}"],
                                                                                  recall_voters=voters)
+        if args.serial:
+            configs[f"on, every {k}, choices before the step"] = replace(configs[f"on, every {k}"], recall_overlap=False)
         if args.torch_choice:
             configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
     if args.breakdown:

@@ -149,3 +149,39 @@ def test_eviction_stores_to_the_archive_in_one_pinned_asynchronous_copy_and_a_re
         logits = decoder.step()
     assert not audit.forbidden and not audit.mixed
     assert logits.dtype == torch.float32
+
+
+def test_choices_beside_the_step_wait_only_for_the_step_before_it():
+    """On a GPU a due choice (after a reply's first) runs on the host while the device runs the step: its
+    queries' download is queued before the step's graph, and once the graph is queued nothing waits
+    for the device but that copy (the step before it, which the last token download already waited
+    for). The step's only other sync is the caller's download of its sampled tokens."""
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4,
+                         recall_archive=256, recall_burst=4, recall_interval=1, recall_interval_max=1)
+    with FakeCuda() as audit:
+        model = fake_cuda_model()
+        gen = Generator(model, ByteTokenizer(), config)
+        decoder = StaticDecoder(model, config, max_rows=4)
+        assert decoder.overlap
+        for n in (30, 10, 23):
+            decoder.cache.extend(prefilled(gen, n, 5))
+        samplers = [Sampler(SamplingParams()) for _ in range(3)]
+        beside = 0
+        for step in range(6):
+            first = 0 if step == 0 else len(audit.timeline)
+            chose = any(decoder.cache.due) and step > 0
+            logits = decoder.step(evict=False)
+            timeline = audit.timeline[first:]
+            replay = timeline.index(("replay",))
+            before, after = timeline[:replay], timeline[replay + 1:]
+            recorded = {entry[1] for entry in before if entry[0] == "record"}
+            assert all(entry[0] == "record" or entry[0] == "wait" and entry[1] in recorded for entry in after), after
+            if chose:
+                beside += 1
+                assert any(entry[0] == "wait" for entry in after)  # the choice ran after the graph was queued
+            assert not decoder._serial_once  # and did not fail
+            drawn = sample(logits, samplers)
+            decoder.cache.pending = [[d.token] for d in drawn]
+            decoder.cache.evict_over_budget()
+    assert not audit.forbidden and not audit.mixed
+    assert beside >= 3

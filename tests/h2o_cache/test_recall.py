@@ -3,6 +3,7 @@ queries chose, per layer and KV head; nothing fed is lost or held twice; growing
 tokens; only changed slots are rewritten; both decode paths choose alike."""
 
 import random
+from dataclasses import replace
 import shutil
 
 import pytest
@@ -492,6 +493,83 @@ def test_a_choice_that_raises_fails_before_the_step_feeds_anything(peaked_model,
     assert decoder.cache.seen == seen
     logits = gen.step(decoder.cache, [decoder.cache.pending[0], []])  # the other row alone goes on
     assert decoder.cache.seen == [seen[0] + 1, seen[1]] and torch.isfinite(logits[0]).all()
+
+
+def test_a_choice_beside_the_step_is_the_choice_before_it_read_one_step_later(peaked_model):
+    """With recall_overlap (a GPU's default, forced here on the CPU) a due choice runs after its step is
+    queued, by the same queries: the step reads the window as it was (the logits of a step that made
+    no choice), and the window it leaves is the one the choice before the step makes (same tokens,
+    keys and counts); the choices due next are the serial path's. A reply's first choice still goes
+    before its step. Each step starts the three decoders from the serial one's state."""
+    config = recall_config(recall_burst=3, recall_interval=2)
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    serial, beside, unchosen = (StaticDecoder(peaked_model, replace(config, recall_overlap=overlap), max_rows=2)
+                                for overlap in (False, True, False))
+    assert (serial.overlap, beside.overlap, StaticDecoder(peaked_model, config, max_rows=1).overlap) == (False, True, False)
+    decoders = (serial, beside, unchosen)
+    recalling_rows(gen, (50, 51), decoders)
+    assert beside.cache.due == [FIRST, FIRST]
+    kinds = []
+    for step in range(12):
+        due = list(serial.cache.due)
+        kinds.append(max(due))
+        counts = list(serial.cache.recall_count)
+        if due != [FIRST, FIRST]:
+            unchosen.cache.due = [0, 0]
+        got = [decoder.step() for decoder in decoders]
+        if due == [FIRST, FIRST]:  # the reply's first choice: before its step on both
+            assert torch.equal(got[1], got[0])
+        elif any(due):
+            assert torch.equal(got[1], got[2]) and serial.cache.recall_count != counts  # the step read the old window
+            assert not torch.equal(got[1], got[0])
+        assert beside.cache.due == serial.cache.due and beside.cache.lengths == serial.cache.lengths
+        assert beside.cache.recall_count == serial.cache.recall_count
+        for row in range(2):
+            assert torch.equal(beside.cache.windows[row][1], serial.cache.windows[row][1])
+            fast, slow = row_state(beside.cache, row), row_state(serial.cache, row)
+            # all but the step's own new token (the last slot), whose keys came from a different window
+            assert all(torch.equal(fast[name][..., :-1, :], slow[name][..., :-1, :]) for name in ("keys", "rotated", "values"))
+            assert torch.equal(fast["origins"], slow["origins"])
+            assert_nothing_lost_or_held_twice(beside.cache, row)
+        tokens = [[t] for t in got[0].argmax(-1).tolist()]
+        serial.cache.pending = tokens
+        for decoder in (beside, unchosen):
+            decoder.cache.pop(1), decoder.cache.pop(0)
+            decoder.cache.extend(serial.cache)
+    assert kinds[0] == FIRST and BURST in kinds and INTERVAL in kinds and 0 in kinds
+
+
+def test_a_choice_beside_the_step_that_raises_leaves_the_step_fed_and_the_next_choice_before_its_step(
+        peaked_model, monkeypatch):
+    """A choice beside the step runs after the step fed its tokens: if it raises, the step still returns
+    its logits (nothing is fed twice), the row stays due, and its next choice goes before its step,
+    where a failure raises before anything is fed (as without overlap)."""
+    config = recall_config(recall_overlap=True)
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    decoder = StaticDecoder(peaked_model, config, max_rows=2)
+    recalling_rows(gen, (60, 61), [decoder])
+    decoder.cache.pending = [[t] for t in decoder.step().argmax(-1).tolist()]  # the first choices, before it
+    assert decoder.cache.due == [BURST, BURST]
+    choose_rows = recall.choose_rows
+    fail = [True]
+
+    def failing(cache, asked, scaling, *args, **kw):
+        if fail[0]:
+            raise RuntimeError("injected choice failure")
+        return choose_rows(cache, asked, scaling, *args, **kw)
+
+    monkeypatch.setattr(recall, "choose_rows", failing)
+    seen = list(decoder.cache.seen)
+    logits = decoder.step()
+    assert torch.isfinite(logits).all() and decoder.cache.seen == [n + 1 for n in seen] and decoder.cache.due == [BURST] * 2
+    decoder.cache.pending = [[t] for t in logits.argmax(-1).tolist()]
+    with pytest.raises(RuntimeError, match="injected"):  # before the step, which feeds nothing
+        decoder.step()
+    assert decoder.cache.seen == [n + 1 for n in seen]
+    fail[0] = False
+    counts = list(decoder.cache.recall_count)
+    decoder.step()
+    assert decoder.cache.seen == [n + 2 for n in seen] and decoder.cache.recall_count != counts
 
 
 @pytest.fixture(scope="module")
