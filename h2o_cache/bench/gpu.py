@@ -217,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 128], help="concurrent streams on the server")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per stream and turn on the server")
     parser.add_argument("--turns", type=int, default=2, help="turns per stream on the server")
-    parser.add_argument("--servers", nargs="+", default=["", "--recall-budget 0"],
-                        help="server flags to compare, one string each ('' = the defaults)")
+    parser.add_argument("--servers", nargs="+", action="extend", default=None,
+                        help="server flags to compare, one string each ('' = the defaults; default: '' and "
+                             "'--recall-budget 0'); a lone flag as --servers=--no-recall-overlap, and the option may "
+                             "repeat")
     parser.add_argument("--skip-server", action="store_true", help="measure the library only")
     parser.add_argument("--skip-library", action="store_true", help="leave out the fast step and the agreement")
     parser.add_argument("--profile", action="store_true",
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_server:
         del model
         torch.cuda.empty_cache()
-        for flags in args.servers:
+        for flags in args.servers or ["", "--recall-budget 0"]:
             stage(f"server {flags}", lambda flags=flags: served(flags, args.streams, args.turns, args.model,
                                                               args.max_tokens, log, args.timeout, args.profile))
     if not args.skip_tests:

@@ -15,7 +15,12 @@ from tests.conftest import ByteTokenizer, tiny_llama
 from tests.device_audit import FakeCuda
 
 # FakeTensorMode warns when code asks a fake tensor for its address (weights' storage sharing)
-pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor"),
+    # the audit models a CPU-only build: on a CUDA build (an H200, 2026-11-27) a blocking upload takes a
+    # route it does not see, and its own check fails; there tests/h2o_cache/test_cuda.py runs instead
+    pytest.mark.skipif(torch.backends.cuda.is_built(), reason="fake CUDA needs a CPU-only build of torch"),
+]
 CUDA = torch.device("cuda", 0)
 
 
