@@ -167,18 +167,56 @@ def score_batched(gen: Generator, config: CacheConfig, items: list[Item], batch:
     return nll, hits
 
 
-def interval_label(budget: int, recall: int, interval: int, voters: int) -> str:
-    """`h2o B +rN every K`, and ` voters V` where V layers vote in the choices after the burst."""
-    return f"h2o {budget} +r{recall} every {interval}" + (f" voters {voters}" if voters else "")
+@torch.no_grad()
+def score_fast(gen: Generator, config: CacheConfig, items: list[Item], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score_batched` with the contexts as turns, the targets fed on the fast step (`StaticDecoder`)
+    instead of the transformers path: for what only the fast step does, such as recall's choices
+    beside the step (`recall_overlap`). Each item prefilled alone, then `batch` of them decode
+    together (on the CPU the quantized step, whose products round the activations to int8)."""
+    from h2o_cache import StaticDecoder
+
+    order = sorted(range(len(items)), key=lambda i: len(items[i].target))
+    nll = torch.zeros(len(items), dtype=torch.float64)
+    hits = torch.zeros(len(items), dtype=torch.int64)
+    for start in range(0, len(order), batch):
+        picked = order[start:start + batch]
+        group = [items[i] for i in picked]
+        decoder = StaticDecoder(gen.model, config, len(group))
+        firsts = []
+        for item in group:
+            row = gen.new_cache(1, config)
+            firsts.append(gen.prefill(row, [item.context], recall=True)[0])
+            row.pending = [[item.target[0]]]
+            decoder.cache.extend(row, move=True)
+        logits = torch.stack(firsts)
+        for t in range(max(len(item.target) for item in group)):
+            logits = logits.float().cpu()
+            for j, item in enumerate(group):
+                if t < len(item.target):
+                    nll[picked[j]] -= logits[j].log_softmax(-1)[item.target[t]].double()
+                    asked = not item.asked or item.asked[t]
+                    hits[picked[j]] += int(asked and int(logits[j].argmax()) == item.target[t])
+            if all(t + 1 >= len(item.target) for item in group):
+                break
+            decoder.cache.pending = [[item.target[min(t, len(item.target) - 1)]] for item in group]  # fed: predicts t + 1
+            logits = decoder.step()
+    return nll, hits
+
+
+def interval_label(budget: int, recall: int, interval: int, voters: int, overlap: bool | None = None) -> str:
+    """`h2o B +rN every K`, ` voters V` where V layers vote in the choices after the burst, and
+    ` beside` / ` before` where the fast step's choices run beside / before the step (`recall_overlap`)."""
+    label = f"h2o {budget} +r{recall} every {interval}" + (f" voters {voters}" if voters else "")
+    return label + ("" if overlap is None else " beside" if overlap else " before")
 
 
 def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,
          recall_budgets: list[int] | None = None, intervals: list[int] | None = None,
-         voters: list[int] | None = None) -> list[Run]:
+         voters: list[int] | None = None, overlaps: list[bool] | None = None) -> list[Run]:
     """`full`, then every policy at every budget, and h2o with a recall budget of `recall` at each of
     `recall_budgets` (default: every budget) as `h2o B +rN`, or with `intervals` once per decode-time
-    choice interval and count of voting layers of `voters` (default: the config's) as `interval_label`
-    names them."""
+    choice interval and count of voting layers of `voters` (default: the config's), and with `overlaps`
+    once per `recall_overlap` value, as `interval_label` names them."""
     runs = [Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))]
     for budget in budgets:
         for policy in policies:
@@ -191,8 +229,10 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
             runs.append(Run(f"h2o {budget} +r{recall}", config))
         for k in intervals or []:  # every k steps for every row, however many decode together
             for v in voters or [config.recall_voters]:
-                runs.append(Run(interval_label(budget, recall, k, v),
-                                replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v)))
+                for overlap in overlaps or [None]:
+                    runs.append(Run(interval_label(budget, recall, k, v, overlap),
+                                    replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v,
+                                            recall_overlap=overlap)))
     return runs
 
 
@@ -343,6 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recall-voters", type=int, nargs="+", default=None,
                         help="with --recall-intervals: run each interval once per count of layers that vote in the "
                              "choices after the burst (recall_voters; 0: all)")
+    parser.add_argument("--recall-overlap", type=int, nargs="+", choices=(0, 1), default=None,
+                        help="with --recall-intervals: run each once with the fast step's choices before it (0) and/or "
+                             "beside it (1, as on a GPU; recall_overlap); implies --fast-path")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="feed the targets on the fast step (StaticDecoder, `score_fast`), contexts as turns; "
+                             "`full` (which the fast step cannot take) stays on the transformers path")
     parser.add_argument("--text", type=Path, default=None,
                         help="score continuations of this plain text instead of XSum summaries (with --context, --target, --items)")
     parser.add_argument("--context", type=int, default=2048, help="with --text: tokens of the text prefilled")
@@ -381,14 +427,17 @@ def main(argv: list[str] | None = None) -> None:
     if not items:
         sys.exit(f"no article of {args.data} has a prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
     runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets,
-                intervals=args.recall_intervals, voters=args.recall_voters)
+                intervals=args.recall_intervals, voters=args.recall_voters,
+                overlaps=None if args.recall_overlap is None else [bool(v) for v in args.recall_overlap])
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
     tokens = torch.tensor([len(item.target) for item in items], dtype=torch.float64)
     results, hits = {}, {}
     for run in runs:
         began = time.perf_counter()
-        results[run.label], hits[run.label] = score_batched(gen, run.config, items, args.batch)
+        fast = (args.fast_path or args.recall_overlap) and run.config.rolling  # `full` stays on the transformers path
+        scorer = score_fast if fast else score_batched
+        results[run.label], hits[run.label] = scorer(gen, run.config, items, args.batch)
         print(f"{run.label}: {results[run.label].sum().item() / tokens.sum().item():.4f} nats/token, "
               f"{time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     if args.json:
@@ -416,9 +465,11 @@ def interval_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor)
     lines = []
     for label in results:
         parts = label.split()
-        if len(parts) not in (5, 7) or parts[3] != "every":
+        if len(parts) not in (5, 6, 7, 8) or parts[3] != "every":
             continue
-        default = interval_label(int(parts[1]), int(parts[2][2:]), CacheConfig.recall_interval, CacheConfig.recall_voters)
+        overlap = {"beside": True, "before": False}.get(parts[-1])
+        default = interval_label(int(parts[1]), int(parts[2][2:]), CacheConfig.recall_interval, CacheConfig.recall_voters,
+                                 None if overlap is None else False)
         if label != default and default in results:
             diff = ratio_of_sums_difference(results[label], results[default], tokens)
             lines.append(f"- {label} - {default}: {diff} nats/token (negative: better than the default)")

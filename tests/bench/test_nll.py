@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.nll import (Item, grid, interval_differences, interval_label, load_items, load_text_items, report,
-                                 score, score_batched, sweep, sweep_differences, targets)
+                                 score, score_batched, score_fast, sweep, sweep_differences, targets)
 from tests.conftest import ByteTokenizer
 
 
@@ -208,3 +208,26 @@ def test_recall_intervals_run_each_configuration_once_per_interval_and_pair_with
         "(negative: better than the default)"]
     lines = targets(results, tokens, [256])  # the interval runs are recall runs at budget 256
     assert any(line.startswith("- h2o 256 +r128 every 1 - h2o 256: -0.0800") for line in lines)
+
+
+def test_the_fast_path_scores_as_the_transformers_path_does(tiny_model, byte_tokenizer):
+    """`score_fast` feeds the targets on the fast step: the same NLL and hits as `score_batched` for
+    contexts fed as turns (a tiny fp32 model: no quantized products), whatever the batch."""
+    gen = Generator(tiny_model, byte_tokenizer)
+    config = CacheConfig(policy="h2o", budget=16, prefill_chunk=8)
+    batch = [Item(context=[(5 * i + n) % 100 + 3 for i in range(20 + n)], target=[(3 * i + n) % 90 + 3 for i in range(6 + n)])
+             for n in range(3)]
+    want, want_hits = score_batched(gen, config, batch, batch=3)
+    got, got_hits = score_fast(gen, config, batch, batch=2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got_hits, want_hits)
+
+
+def test_the_overlap_grid_names_its_runs_and_compares_them_with_the_choices_before_the_step():
+    runs = grid(["h2o"], [256], recall=128, intervals=[3], voters=[5], overlaps=[False, True])
+    labels = [run.label for run in runs]
+    assert labels == ["full", "h2o 256", "h2o 256 +r128 every 3 voters 5 before", "h2o 256 +r128 every 3 voters 5 beside"]
+    assert [run.config.recall_overlap for run in runs[2:]] == [False, True]
+    results = {label: torch.tensor([1.0 + i, 2.0]) for i, label in enumerate(labels)}
+    lines = interval_differences(results, torch.tensor([4.0, 4.0]))
+    assert len(lines) == 1 and lines[0].startswith(f"- {labels[3]} - {labels[2]}:")
