@@ -235,7 +235,8 @@ class Archive:
     @torch.no_grad()
     def select(self, queries: torch.Tensor, scaling: float, tokens: int, layers: slice = slice(None),
                everywhere: bool = False, per_layer: bool = False,
-               span: int = CacheConfig.recall_span, voters: list[int] | None = None) -> torch.Tensor:
+               span: int = CacheConfig.recall_span, voters: list[int] | None = None,
+               held: torch.Tensor | None = None, margin: float = 0.0) -> torch.Tensor:
         """The `tokens` archived tokens (whole blocks but with `everywhere`) each KV head of `layers`
         would attend to most, for `queries`.
 
@@ -253,6 +254,8 @@ class Archive:
         `per_layer` (not with `everywhere`): the votes pool over each layer's own heads only, as if
         each layer chose alone.
         `voters` (with `everywhere`, layers all): only the heads of these layers vote.
+        `held` (with `everywhere`): [L', H_kv, r] the tokens each head's window holds (-1: unknown),
+        ranked with their votes times 1 + `margin` (`CacheConfig.recall_margin`).
         Returns [L', H_kv, tokens] int64 token indices (of the storage, within full blocks),
         ascending; tokens <= full_blocks * block, a multiple of block.
         """
@@ -271,7 +274,10 @@ class Archive:
             if everywhere:
                 votes = span_votes(position_votes(_voting(mass, voters), origins, POSITIONS), span)
                 full = lo.shape[2] * self.block
-                return top_blocks(token_votes(votes, self._data["origins"][layers, :, :full]), tokens).sort(dim=-1).values
+                scores = token_votes(votes, self._data["origins"][layers, :, :full])
+                if margin and held is not None:
+                    scores = _favour_held(scores, held, margin)
+                return top_blocks(scores, tokens).sort(dim=-1).values
             mass = pool_by_position(mass, origins, POSITIONS, per_layer)
             candidates = top_blocks(block_mass(mass, self.block), blocks, candidates)
         return block_tokens(candidates.sort(dim=-1).values, self.block)
@@ -404,3 +410,13 @@ def _gather(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         layers, heads, n, _ = buffer.shape
         return take_vectors(buffer, torch.arange(layers * heads, device=index.device).view(layers, heads, 1) * n, index)
     return buffer.gather(2, index)
+
+
+def _favour_held(scores: torch.Tensor, held: torch.Tensor, margin: float) -> torch.Tensor:
+    """scores [..., n] fp32 with the tokens of `held` ([..., r], -1 or beyond n: none) times 1 + margin
+    (rounded to fp32 first, as the kernel's), no data-dependent shape."""
+    n = scores.shape[-1]
+    known = ((held >= 0) & (held < n)).to(scores.dtype)
+    flags = torch.zeros_like(scores).scatter_reduce_(-1, held.clamp(0, n - 1), known, reduce="amax")
+    bonus = torch.tensor(1.0 + margin, dtype=torch.float64).to(scores.dtype)
+    return torch.where(flags > 0, scores * bonus, scores)

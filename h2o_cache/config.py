@@ -43,6 +43,9 @@ class CacheConfig:
         after a reply's burst, evenly spaced (`voter_layers`): only their keys are read, and every head
         of every layer takes its tokens by their votes (0, or the model's layers: all of them; a
         reply's first `recall_burst` choices always pool every layer's votes).
+    recall_margin: in a decode step's choice, each head ranks the tokens its window holds with their
+        votes times 1 + recall_margin, so a held token stays unless a token not held beats it by that
+        margin: fewer of the window's slots are rewritten at each choice (0: by the votes alone).
     recall_queries: most queries per query head of a prefill chunk that choose its window, evenly
         spaced and ending at the chunk's last token (None: all of them).
     recall_span: a decode step's choice takes each archived token by the votes of the positions
@@ -91,6 +94,7 @@ class CacheConfig:
     # torch ops: 3.435 vs 3.436); a choice reads a sixth of the keys, but its tokens' copies stay:
     # ~1.9 ms in a batch-1 loop against ~2.7 ms
     recall_voters: int = 5
+    recall_margin: float = 0.0
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
@@ -129,6 +133,8 @@ class CacheConfig:
                 raise ValueError(f"recall_interval_max must be >= 1, got {self.recall_interval_max}")
             if self.recall_voters < 0:
                 raise ValueError(f"recall_voters must be >= 0, got {self.recall_voters}")
+            if not self.recall_margin >= 0:
+                raise ValueError(f"recall_margin must be >= 0, got {self.recall_margin}")
             if self.recall_queries is not None and self.recall_queries < 1:
                 raise ValueError(f"recall_queries must be >= 1 or None, got {self.recall_queries}")
             if self.recall_span < 0:

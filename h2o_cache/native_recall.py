@@ -50,7 +50,7 @@ class _Choice(ctypes.Structure):
                    ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("archive_fp16", ctypes.c_int64),
                    ("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p),
                    ("window_layer_stride", ctypes.c_int64), ("window_head_stride", ctypes.c_int64),
-                   ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64)])
+                   ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double)])
 
 
 class _Placement(ctypes.Structure):
@@ -182,6 +182,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
         half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
+        margin=cache.config.recall_margin,
         held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
     keep: tuple = (queries,)
     if voters is not None:  # only these layers' keys are read; every head takes its tokens by their votes

@@ -202,7 +202,8 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                     pending.append((row, before))
                 else:
                     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
-                                                        cache.config.recall_span, voters[row])
+                                                        cache.config.recall_span, voters[row], held(cache, row)[layers],
+                                                        cache.config.recall_margin)
                     fill(cache, row, chosen, layers)
             if done is not None:
                 done.append(row)

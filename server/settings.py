@@ -125,6 +125,9 @@ class ServerSettings(BaseSettings):
                                           "before one decode step; the others wait for the next (a reply's first choice, "
                                           "by its question, goes first); unset: all on the CPU, 1 on a GPU, where a "
                                           "choice runs on the host and costs more than a batched step (RESULTS.md)")
+    recall_margin: float = Field(
+        0.0, ge=0.0, le=100.0, description="a decode step's choice ranks the tokens a head's recall window holds with "
+                                           "their votes times 1 + this, so that fewer slots are rewritten per choice")
     recall_overlap: bool | None = Field(
         None, description="make the due choices of the recall window (all but a reply's first) on the host while the "
                           "device runs the decode step, by the queries of the step before it (a window one step "
@@ -210,7 +213,7 @@ class ServerSettings(BaseSettings):
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,
-                           recall_overlap=self.recall_overlap)
+                           recall_overlap=self.recall_overlap, recall_margin=self.recall_margin)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

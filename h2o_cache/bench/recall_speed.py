@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--breakdown", action="store_true",
                         help="also time recall on without choices, and recall off at budget + recall slots")
+    parser.add_argument("--margins", type=float, nargs="+", default=[],
+                        help="also time each interval with recall_margin M (a held token ranked by its votes x (1 + M))")
     parser.add_argument("--serial", action="store_true",
                         help="also time each interval with the choices before the step (recall_overlap False), where "
                              "they run beside it by default (a GPU)")
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         for voters in args.voters:
             configs[f"on, every {k}, {voters or 'all'} voting layers"] = replace(configs[f"on, every {k}"],
                                                                                  recall_voters=voters)
+        for margin in args.margins:
+            configs[f"on, every {k}, margin {margin:g}"] = replace(configs[f"on, every {k}"], recall_margin=margin)
         if args.serial:
             configs[f"on, every {k}, choices before the step"] = replace(configs[f"on, every {k}"], recall_overlap=False)
         if args.torch_choice:

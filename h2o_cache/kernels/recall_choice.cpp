@@ -67,6 +67,7 @@ struct Choice {
     int64_t window_layer_stride, window_head_stride;
     const int64_t* voters;  // nullable: the layers (ascending, voter_layers of them) whose heads' attention
     int64_t voter_layers;   // votes; every head of every layer still takes its tokens by those votes
+    double margin;          // a decode choice ranks a head's held tokens by their scores x (1 + margin)
 };
 
 // Whether `voters` names at least one layer, each of the choice's, ascending.
@@ -607,13 +608,25 @@ int choose(const Choice& c, int32_t* written) {
             scores[p] = votes[p] + static_cast<float>(running(std::min(c.positions - 1, p + c.span) + 1) -
                                                       running(std::max<int64_t>(0, p - c.span)));
         const float* score_of = scores.data();
+        // a token the head holds is ranked by its score x (1 + margin), rounded to fp32 as the torch ops
+        // round it (`archive._favour_held`): a held token stays unless another beats it by the margin
+        const float bonus = static_cast<float>(1.0 + c.margin);
 #pragma omp parallel num_threads(threads)
         {
             std::vector<uint64_t> keys(n), passed;
+            std::vector<uint8_t> flag(n, 0);
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
-                for (int64_t t = 0; t < n; ++t) keys[t] = rank_key(score_of[origins[t] & mask], t);
+                const int64_t* held = c.held + head * r;
+                const auto mark = [&](uint8_t to) {
+                    for (int64_t j = 0; j < r; ++j)
+                        if (held[j] >= 0 && held[j] < n) flag[held[j]] = to;
+                };
+                if (bonus != 1.0f) mark(1);
+                for (int64_t t = 0; t < n; ++t)
+                    keys[t] = rank_key(flag[t] ? score_of[origins[t] & mask] * bonus : score_of[origins[t] & mask], t);
+                if (bonus != 1.0f) mark(0);
                 best_of_keys(keys, n, r, passed, chosen + head * r);
             }
         }

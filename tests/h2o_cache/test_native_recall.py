@@ -73,6 +73,32 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
     assert kernel.recall_count[0] > 2 * kernel.recalled[0]  # the windows changed along the way
 
 
+@pytest.mark.parametrize("margin", [0.1, 0.5])
+def test_the_kernel_favours_held_tokens_by_the_margin_as_the_torch_ops_do(margin):
+    """`recall_margin`: a decode choice ranks each head's held tokens by their votes times 1 + margin,
+    in the kernel as in the torch ops (the same windows, copies and counts, choice after choice); it
+    rewrites fewer slots than the choice without a margin from the same windows and queries."""
+    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3, layers=4)
+    gen, cache = conversation(model, recall_margin=margin)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
+    generator = torch.Generator().manual_seed(5)
+    queries = cache._queries
+    fewer = 0
+    for noise in (0.0, 0.5, 1.0, 2.0, 4.0, 1.0, 0.5):
+        asked = queries + noise * torch.randn(queries.shape, generator=generator)
+        plain = twin(gen, kernel, recall_margin=0.0)  # from the same windows, no margin
+        before = kernel.recall_count[0]
+        for copy in (kernel, torch_ops, plain):
+            recall.refresh(copy, asked, copy.spec.scaling, [0])
+        assert_same_windows(model, kernel, torch_ops)
+        written, without = kernel.recall_count[0] - before, plain.recall_count[0] - before
+        assert written <= without  # favouring held tokens can only keep more of them
+        fewer += written < without
+    assert fewer >= 3
+
+
 @pytest.mark.parametrize("voters, layers", [(2, [1, 3]), (1, [2]), (4, None)])
 def test_the_kernel_chooses_by_the_votes_of_a_few_layers_as_the_torch_ops_do(voters, layers):
     """`recall_voters`: in a choice after the burst (`few`) only the heads of a few layers (of 4: layers
