@@ -201,9 +201,10 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                     native_recall.assign(cache, row, grouped, scaling, layers, everywhere, voters[row])
                     pending.append((row, before))
                 else:
+                    margin = cache.config.recall_margin if everywhere else 0.0  # a decode choice's alone
                     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
-                                                        cache.config.recall_span, voters[row], held(cache, row)[layers],
-                                                        cache.config.recall_margin)
+                                                        cache.config.recall_span, voters[row],
+                                                        held(cache, row)[layers] if margin else None, margin)
                     fill(cache, row, chosen, layers)
             if done is not None:
                 done.append(row)

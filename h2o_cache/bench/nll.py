@@ -122,6 +122,14 @@ def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCach
     """
     cache = cache if cache is not None else gen.new_cache(len(items), config)
     logits = gen.prefill(cache, [item.context for item in items], recall=turn)  # [B, V], predicts target[0]
+    # feed target[t] to the rows that still have a token to predict after it
+    return teacher_forced(items, logits, lambda t: gen.step(
+        cache, [[item.target[t]] if t + 1 < len(item.target) else [] for item in items]))
+
+
+def teacher_forced(items: list[Item], logits: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score`'s NLL sums and greedy hits of the items' targets, from `logits` [B, V] predicting each
+    target[0]; step(t) feeds target[t] and returns the logits predicting target[t + 1]."""
     width = max(len(item.target) for item in items)
     targets = torch.tensor([item.target + [-1] * (width - len(item.target)) for item in items])
     valid = targets >= 0
@@ -136,9 +144,7 @@ def score(gen: Generator, config: CacheConfig, items: list[Item], cache: H2OCach
         hits += (valid[:, t] & asked[:, t] & (logits.argmax(-1) == wanted)).long()
         if t + 1 == width:
             break
-        # Feed target[t] to the rows that still have a token to predict after it.
-        pieces = [[item.target[t]] if t + 1 < len(item.target) else [] for item in items]
-        logits = gen.step(cache, pieces)
+        logits = step(t)
     return nll, hits
 
 
@@ -158,49 +164,45 @@ def fork(gen: Generator, config: CacheConfig, prefix: list[int], rows: int) -> H
 
 def score_batched(gen: Generator, config: CacheConfig, items: list[Item], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`score` over batches of similar length (items sorted by context length); results in item order."""
+    return in_batches(items, batch, lambda group: score(gen, config, group, turn=True))
+
+
+def in_batches(items: list[Item], batch: int, scorer) -> tuple[torch.Tensor, torch.Tensor]:
+    """scorer(group) -> (NLL sums, hits) over groups of `batch` items of similar context length."""
     order = sorted(range(len(items)), key=lambda i: len(items[i].context))
     nll = torch.zeros(len(items), dtype=torch.float64)
     hits = torch.zeros(len(items), dtype=torch.int64)
     for start in range(0, len(order), batch):
         picked = order[start:start + batch]
-        nll[picked], hits[picked] = score(gen, config, [items[i] for i in picked], turn=True)
+        nll[picked], hits[picked] = scorer([items[i] for i in picked])
     return nll, hits
 
 
-@torch.no_grad()
 def score_fast(gen: Generator, config: CacheConfig, items: list[Item], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`score_batched` with the contexts as turns, the targets fed on the fast step (`StaticDecoder`)
     instead of the transformers path: for what only the fast step does, such as recall's choices
     beside the step (`recall_overlap`). Each item prefilled alone, then `batch` of them decode
     together (on the CPU the quantized step, whose products round the activations to int8)."""
+    return in_batches(items, batch, lambda group: _score_fast_group(gen, config, group))
+
+
+@torch.no_grad()
+def _score_fast_group(gen: Generator, config: CacheConfig, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor]:
     from h2o_cache import StaticDecoder
 
-    order = sorted(range(len(items)), key=lambda i: len(items[i].target))
-    nll = torch.zeros(len(items), dtype=torch.float64)
-    hits = torch.zeros(len(items), dtype=torch.int64)
-    for start in range(0, len(order), batch):
-        picked = order[start:start + batch]
-        group = [items[i] for i in picked]
-        decoder = StaticDecoder(gen.model, config, len(group))
-        firsts = []
-        for item in group:
-            row = gen.new_cache(1, config)
-            firsts.append(gen.prefill(row, [item.context], recall=True)[0])
-            row.pending = [[item.target[0]]]
-            decoder.cache.extend(row, move=True)
-        logits = torch.stack(firsts)
-        for t in range(max(len(item.target) for item in group)):
-            logits = logits.float().cpu()
-            for j, item in enumerate(group):
-                if t < len(item.target):
-                    nll[picked[j]] -= logits[j].log_softmax(-1)[item.target[t]].double()
-                    asked = not item.asked or item.asked[t]
-                    hits[picked[j]] += int(asked and int(logits[j].argmax()) == item.target[t])
-            if all(t + 1 >= len(item.target) for item in group):
-                break
-            decoder.cache.pending = [[item.target[min(t, len(item.target) - 1)]] for item in group]  # fed: predicts t + 1
-            logits = decoder.step()
-    return nll, hits
+    decoder = StaticDecoder(gen.model, config, len(items))
+    firsts = []
+    for item in items:
+        row = gen.new_cache(1, config)
+        firsts.append(gen.prefill(row, [item.context], recall=True)[0])
+        row.pending = [[item.target[0]]]
+        decoder.cache.extend(row, move=True)
+
+    def step(t: int) -> torch.Tensor:  # every row feeds a token: a finished one its last again, unscored
+        decoder.cache.pending = [[item.target[min(t, len(item.target) - 1)]] for item in items]
+        return decoder.step()
+
+    return teacher_forced(items, torch.stack(firsts), step)
 
 
 def interval_label(budget: int, recall: int, interval: int, voters: int, overlap: bool | None = None) -> str:
