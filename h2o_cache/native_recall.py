@@ -24,6 +24,7 @@ fraction's, whose sine and cosine are short series, so no sine or cosine is call
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -162,35 +163,83 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
              window: bool, voters: list[int] | None = None) -> tuple[_Choice, torch.Tensor, tuple]:
     """The kernel's `Choice` for the row's archive and window in `layers` (voters: for a choice over
     all layers, the layers whose heads alone vote; None: all of them), the [L', H] counts it writes,
-    and the tensors its pointers read (to keep alive until the call returns)."""
+    and the tensors its pointers read (to keep alive until the call returns). A row's `Choice` is kept
+    between calls and built again only where what it was built from moved (`_sources`: storage grown,
+    blocks formed, a window grown or reallocated, other layers or voters); else only its queries and
+    length are set: building one is ~50 fields and a dozen tensor calls, ~0.2 ms, paid at every
+    decode step where a row chooses at every step."""
     r = cache.recalled[row]
     archive = cache.archives[row]
-    storage = archive.storage()
-    all_layers, heads = archive.shape
-    first, end, step = layers.indices(all_layers)
+    storage = archive.storage()  # forms the blocks archived since: before anything is read
+    first, end, step = layers.indices(archive.shape[0])
     if step != 1 or end <= first:
         raise ValueError(f"the recall kernel chooses for a contiguous range of layers, not {layers}")
-    queries = queries.to(torch.float32).cpu().contiguous()
+    if queries.dtype != torch.float32 or queries.device.type != "cpu" or not queries.is_contiguous():
+        queries = queries.to(torch.float32).cpu().contiguous()
+    cos, sin = cache.spec.rope.get(cache.lengths[row]) if window else (None, None)
+    sources = _sources(cache, row, storage, first, end, span, scaling, window, voters, queries.shape[2], cos, sin)
+    kept = _prepared.setdefault(cache, {})
+    entry = kept.get((row, first, end, window))
+    if entry is None or entry[0] != sources:
+        entry = (sources, *_build(cache, row, storage, first, end, span, scaling, window, voters,
+                                  queries.shape[2], cos, sin))
+        kept[(row, first, end, window)] = entry
+    _, choice, written, keep = entry
+    choice.queries = queries.data_ptr()
+    choice.length = cache.lengths[row]
+    return choice, written, (queries, *keep)
+
+
+# A cache's kept `Choice`s: (row, first layer, end, window) -> (sources, Choice, written, tensors kept)
+_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sources(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
+             voters: list[int] | None, group: int, cos, sin) -> tuple:
+    """What a row's `Choice` is built from, but its queries and length: equal where the kept one holds."""
+    archive = cache.archives[row]
+    held = recall.held(cache, row)
+    fields = (id(archive), archive.full_blocks, cache.recalled[row], held.data_ptr(), held.shape[-1],
+              *(storage[name].data_ptr() for name in ("keys", "values", "origins", "lo", "hi", "half")),
+              storage["keys"].shape[2], storage["lo"].shape[2], span, scaling, group, torch.get_num_threads(),
+              cache.config.recall_margin, None if voters is None else tuple(voters))
+    if window:
+        buffers = cache.buffers()
+        copy = cache.window_copy(current=False)
+        fields += (cos.data_ptr(), sin.data_ptr(), buffers.keys.data_ptr(), buffers.rotated.data_ptr(),
+                   buffers.values.data_ptr(), buffers.origins.data_ptr(), tuple(buffers.keys.shape),
+                   None if buffers.scores is None else buffers.scores.data_ptr(),
+                   None if copy is None else (copy.data_ptr(), tuple(copy.shape)))
+    return fields
+
+
+def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
+           voters: list[int] | None, group: int, cos, sin) -> tuple[_Choice, torch.Tensor, tuple]:
+    """A row's `Choice` (queries and length unset), the counts it writes and the tensors it reads."""
+    r = cache.recalled[row]
+    archive = cache.archives[row]
+    heads = archive.shape[1]
     written = torch.zeros(end - first, heads, dtype=torch.int32)
     blocks = r // archive.block
     ranked = storage["half"] if archive.dtype == torch.float32 else storage["keys"]  # 16-bit keys
     fields = dict(
-        layers=end - first, heads=heads, dim=archive.head_dim, group=queries.shape[2], blocks=archive.full_blocks,
+        layers=end - first, heads=heads, dim=archive.head_dim, group=group, blocks=archive.full_blocks,
         block=archive.block, capacity=storage["keys"].shape[2], digest_capacity=storage["lo"].shape[2],
         window=r, candidates=min(CANDIDATES * blocks, archive.full_blocks), span=span,
         positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
-        queries=queries.data_ptr(), lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
-        origins=storage["origins"][first].data_ptr(), length=cache.lengths[row], half=ranked[first].data_ptr(),
+        lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
+        origins=storage["origins"][first].data_ptr(), half=ranked[first].data_ptr(),
         half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
         margin=cache.config.recall_margin,
         held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
-    keep: tuple = (queries,)
+    keep: tuple = ()  # what the Choice points at that nothing else holds; not the archive's storage,
+    # which a kept Choice must not hold on to after the archive grows (the sources then differ)
     if voters is not None:  # only these layers' keys are read; every head takes its tokens by their votes
         voting = torch.tensor(voters, dtype=torch.int64)
         keep += (voting,)
         fields |= dict(voters=voting.data_ptr(), voter_layers=len(voters))
     if window:  # what the kernel copies the chosen tokens from and into
-        cos, sin = (t.contiguous() for t in cache.spec.rope.get(cache.lengths[row]))
+        cos, sin = cos.contiguous(), sin.contiguous()
         keep += (cos, sin)
         buffers = cache.buffers()
         keys, scores, origins = buffers.keys, buffers.scores, buffers.origins

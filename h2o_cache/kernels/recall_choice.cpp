@@ -16,11 +16,13 @@
 // the vote of its original position modulo `positions`; each position's vote plus the votes of the
 // positions within `span` of it (summed in fp64, as `selection.span_votes`) scores every archived
 // token of every head, and each head takes its `window` tokens of most score (ties: the lower index),
-// in ascending order. A slot whose token `held` names is among them keeps it; the other slots take
-// the tokens not held yet (`recall.assign`): key, value and origin copied from the archive, the key
-// rotated to where its token stood in the text among the row's own tokens (slots window .. length - 1;
-// `recall.text_positions`), score 0. A slot that keeps its token keeps its
-// place: the own tokens have not moved since it was placed (an eviction places the whole window).
+// in ascending order: by walking the voted positions from the best until it has them (`best_by_walk`),
+// or, where that cannot decide, by ranking all its tokens (`best_by_scan`). A slot whose token `held`
+// names is among them keeps it; the other slots take the tokens not held yet (`recall.assign`): key,
+// value and origin copied from the archive, the key rotated to where its token stood in the text among
+// the row's own tokens (slots window .. length - 1; `recall.text_positions`), score 0. A slot that
+// keeps its token keeps its place: the own tokens have not moved since it was placed (an eviction
+// places the whole window).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -310,6 +312,131 @@ void best_of(const float* score, int64_t n, int64_t k, std::vector<uint64_t>& ke
     keys.resize(n);
     for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
     best_of_keys(keys, n, k, passed, out);
+}
+
+// The shared scores of a decode choice, for each head to take its tokens by: the positions with a
+// positive score as `rank_key`s, most first (`size` of them: all of them where complete, else the
+// best), every position's score, the mask that maps an origin to its position, and the factor of a
+// held token's score.
+struct Ranked {
+    const uint64_t* order;
+    int64_t size;
+    bool complete;
+    const float* score;
+    int64_t mask;
+    float bonus;
+};
+
+// keys[0..size) (`rank_key`s of positive scores) -> the best `want` of them, most first, at the front:
+// the prefix of the order that heads walk (they rarely need more than their window's r and what they
+// hold themselves). Returns how many are in order.
+int64_t order_best(std::vector<uint64_t>& keys, int64_t want) {
+    const int64_t size = static_cast<int64_t>(keys.size());
+    if (want < size) {
+        std::nth_element(keys.begin(), keys.begin() + want, keys.end(), std::greater<uint64_t>());
+        std::sort(keys.begin(), keys.begin() + want, std::greater<uint64_t>());
+        return want;
+    }
+    std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
+    return size;
+}
+
+// One thread's scratch for heads taking their tokens: ranking keys, a position's token of the head at
+// hand (`stamp`: the head's generation in the high 32 bits, the token in the low), held-token flags.
+struct HeadScratch {
+    std::vector<uint64_t> keys, passed, stamp;
+    std::vector<uint8_t> flag;
+    uint32_t generation = 0;
+};
+
+inline uint64_t token_key(const Ranked& s, const int64_t* origins, int64_t t, bool held) {
+    const float score = s.score[origins[t] & s.mask];
+    return rank_key(held ? score * s.bonus : score, t);
+}
+
+// The head's r tokens of most score (a held token's times the bonus; ties: the lower index), ascending,
+// into out: every one of its n tokens ranked.
+void best_by_scan(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
+                  int64_t* out) {
+    h.keys.resize(n);
+    h.flag.resize(n);
+    const bool favour = s.bonus != 1.0f;
+    const auto mark = [&](uint8_t to) {
+        for (int64_t j = 0; j < r; ++j)
+            if (held[j] >= 0 && held[j] < n) h.flag[held[j]] = to;
+    };
+    if (favour) mark(1);
+    for (int64_t t = 0; t < n; ++t) h.keys[t] = token_key(s, origins, t, favour && h.flag[t]);
+    if (favour) mark(0);
+    best_of_keys(h.keys, n, r, h.passed, out);
+}
+
+// The same tokens as `best_by_scan`, found by walking the positions in `order` (most score first) and
+// taking the head's tokens at them: the r best that it does not hold, with every token tied with the
+// last of them, and (with a bonus) every token it holds, ranked together. A head's tokens lie at ~n of
+// the positions voted for, so the walk stops after ~r of them instead of ranking all n. Returns false,
+// having written nothing, where the walk cannot decide: two of the head's tokens at one position (a
+// conversation longer than the positions), fewer than r tokens it does not hold at a voted position
+// (the rest tie at score 0, where the lower index decides), or an order cut short before it decided.
+bool best_by_walk(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
+                  int64_t* out) {
+    if (h.stamp.size() != static_cast<size_t>(s.mask + 1)) h.stamp.assign(s.mask + 1, 0);
+    if (++h.generation == 0) {  // the stamps wrapped: none may look current
+        std::fill(h.stamp.begin(), h.stamp.end(), 0);
+        h.generation = 1;
+    }
+    const uint64_t current = static_cast<uint64_t>(h.generation) << 32;
+    for (int64_t t = 0; t < n; ++t) {
+        uint64_t& at = h.stamp[origins[t] & s.mask];
+        if ((at & ~0xFFFFFFFFull) == current) return false;
+        at = current | static_cast<uint64_t>(t);
+    }
+    const bool favour = s.bonus != 1.0f;
+    h.flag.resize(n);
+    const auto mark = [&](uint8_t to) {
+        for (int64_t j = 0; j < r; ++j)
+            if (held[j] >= 0 && held[j] < n) h.flag[held[j]] = to;
+    };
+    if (favour) mark(1);
+    h.keys.clear();
+    int64_t taken = 0;
+    bool decided = false;
+    for (int64_t i = 0; i < s.size; ++i) {
+        const uint64_t at = h.stamp[key_index(s.order[i])];
+        if ((at & ~0xFFFFFFFFull) == current) {
+            const int64_t t = static_cast<int64_t>(at & 0xFFFFFFFFull);
+            if (!(favour && h.flag[t])) {
+                h.keys.push_back(token_key(s, origins, t, false));
+                ++taken;
+            }
+        }
+        // a score's tokens all go in together: the index decides among them (past a cut order, the
+        // next score is not known)
+        if (taken >= r && (i + 1 == s.size ? s.complete : (s.order[i + 1] >> 32) != (s.order[i] >> 32))) {
+            decided = true;
+            break;
+        }
+    }
+    if (!decided) {
+        if (favour) mark(0);
+        return false;
+    }
+    if (favour) {
+        for (int64_t j = 0; j < r; ++j)
+            if (held[j] >= 0 && held[j] < n && h.flag[held[j]]) {
+                h.flag[held[j]] = 0;  // once, and cleared
+                h.keys.push_back(token_key(s, origins, held[j], true));
+            }
+    }
+    // the r best of ~r + what the head holds, then their indices in ascending order by flags over n
+    std::nth_element(h.keys.begin(), h.keys.begin() + (r - 1), h.keys.end(), std::greater<uint64_t>());
+    for (int64_t j = 0; j < r; ++j) h.flag[key_index(h.keys[j])] = 1;
+    for (int64_t t = 0, k = 0; k < r; ++t)
+        if (h.flag[t]) {
+            h.flag[t] = 0;
+            out[k++] = t;
+        }
+    return true;
 }
 
 // Scratch of one thread: queries split into their parts, logits, masses, ranking keys.
@@ -611,23 +738,22 @@ int choose(const Choice& c, int32_t* written) {
         // a token the head holds is ranked by its score x (1 + margin), rounded to fp32 as the torch ops
         // round it (`archive._favour_held`): a held token stays unless another beats it by the margin
         const float bonus = static_cast<float>(1.0 + c.margin);
+        // the voted positions, most score first: every head walks them for its tokens (`best_by_walk`)
+        static thread_local std::vector<uint64_t> order;
+        order.clear();
+        for (int64_t p = first; p <= last; ++p)
+            if (scores[p] > 0.0f) order.push_back(rank_key(scores[p], p));
+        const int64_t ordered = order_best(order, std::max<int64_t>(8 * r, 1024));
+        const Ranked ranked{order.data(), ordered, ordered == static_cast<int64_t>(order.size()), score_of, mask,
+                            bonus};
 #pragma omp parallel num_threads(threads)
         {
-            std::vector<uint64_t> keys(n), passed;
-            std::vector<uint8_t> flag(n, 0);
+            static thread_local HeadScratch scratch;  // kept: the stamps are 512 KB
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
-                const int64_t* held = c.held + head * r;
-                const auto mark = [&](uint8_t to) {
-                    for (int64_t j = 0; j < r; ++j)
-                        if (held[j] >= 0 && held[j] < n) flag[held[j]] = to;
-                };
-                if (bonus != 1.0f) mark(1);
-                for (int64_t t = 0; t < n; ++t)
-                    keys[t] = rank_key(flag[t] ? score_of[origins[t] & mask] * bonus : score_of[origins[t] & mask], t);
-                if (bonus != 1.0f) mark(0);
-                best_of_keys(keys, n, r, passed, chosen + head * r);
+                if (!best_by_walk(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r))
+                    best_by_scan(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r);
             }
         }
         std::fill(votes.begin() + low, votes.begin() + high + 1, 0.0f);
@@ -844,6 +970,28 @@ int h2o_recall_key_logits(const float* queries, int64_t G, int64_t D, const uint
     if (D % 8 || G < 1 || K < 1) return 1;
     key_logits(queries, G, D, K, [&](int64_t k) { return keys + k * D; }, bf16, logits);
     return 0;
+}
+
+// One head's r tokens of a decode choice (ascending, into out) from the scores of `positions` positions
+// (a power of 2) and the head's n tokens' origins, as the choice takes them (margin: its held tokens'
+// factor is 1 + margin), by walking the positions ranked (walk nonzero, `best_by_walk`; cut > 0: only
+// the best `cut` positions ranked) or by ranking every token (`best_by_scan`), for the tests. Returns 0; 2 where the walk could not decide (nothing
+// written); 1 where it cannot run.
+int h2o_recall_best_tokens(const float* score, int64_t positions, const int64_t* origins, int64_t n,
+                           const int64_t* held, int64_t r, double margin, int walk, int64_t cut, int64_t* out) {
+    if (positions <= 0 || (positions & (positions - 1)) || r <= 0 || r > n || positions > (1ll << 32)) return 1;
+    std::vector<uint64_t> order;
+    for (int64_t p = 0; p < positions; ++p)
+        if (score[p] > 0.0f) order.push_back(rank_key(score[p], p));
+    const int64_t ordered = order_best(order, cut > 0 ? cut : static_cast<int64_t>(order.size()));
+    const Ranked ranked{order.data(), ordered, ordered == static_cast<int64_t>(order.size()), score, positions - 1,
+                        static_cast<float>(1.0 + margin)};
+    HeadScratch scratch;
+    if (!walk) {
+        best_by_scan(ranked, origins, n, held, r, scratch, out);
+        return 0;
+    }
+    return best_by_walk(ranked, origins, n, held, r, scratch, out) ? 0 : 2;
 }
 
 // Choose and fill one row's recall window in a few layers by whole blocks, for a prefill chunk's
