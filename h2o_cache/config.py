@@ -43,9 +43,10 @@ class CacheConfig:
         after a reply's burst, evenly spaced (`voter_layers`): only their keys are read, and every head
         of every layer takes its tokens by their votes (0, or the model's layers: all of them; a
         reply's first `recall_burst` choices always pool every layer's votes).
-    recall_margin: in a decode step's choice, each head ranks the tokens its window holds with their
-        votes times 1 + recall_margin, so a held token stays unless a token not held beats it by that
-        margin: fewer of the window's slots are rewritten at each choice (0: by the votes alone).
+    recall_margin: in a decode step's choice after the burst, each head ranks the tokens its window
+        holds with their votes times 1 + recall_margin, so a held token stays unless a token not held
+        beats it by that margin: fewer of the window's slots are rewritten at each choice (0: by the
+        votes alone; a burst's choices always go by the votes alone).
     recall_queries: most queries per query head of a prefill chunk that choose its window, evenly
         spaced and ending at the chunk's last token (None: all of them).
     recall_span: a decode step's choice takes each archived token by the votes of the positions
@@ -84,17 +85,19 @@ class CacheConfig:
     recall_burst: int = 16  # measured: 30-turn pass key 5/5 choosing every step, 3/5 every 16th
     # measured (RESULTS.md, "How often a decode step chooses"): 160-token continuations of a 2k-token
     # text lose 0.044 nats/token choosing every 16th step against every step, 0.015 every 4th, and every
-    # 32nd is as good as every 16th; a batch-1 CPU step costs 1.18x with recall every 4th step, a
-    # batch-8 step 1.48x every 4th, 1.22x every 16th and 1.15x every 32nd; with 5 voting layers
-    # (RESULTS.md, "Choices by the votes of a few layers") every 3rd step costs a batch-1 step 1.17x
-    recall_interval: int = 3
+    # 32nd is as good as every 16th; with 5 voting layers and a margin of 0.3 (RESULTS.md, "Every step
+    # alone") every step scores 3.437 against every 3rd's 3.446 ([-0.017, -0.002]), at 1.18-1.28x a
+    # batch-1 CPU step without recall (every 3rd: 1.10-1.14x); a batch of 8 (each row every 8th) 1.15-1.17x
+    recall_interval: int = 1
     recall_interval_max: int = 32
     # measured: continuations' NLL with 5 of 30 layers voting equals all 30's at every interval tried
     # (every 4th 3.453 vs 3.451, every 16th 3.479 vs 3.481; every step, layers 2, 8, .., 26 by the
     # torch ops: 3.435 vs 3.436); a choice reads a sixth of the keys, but its tokens' copies stay:
     # ~1.9 ms in a batch-1 loop against ~2.7 ms
     recall_voters: int = 5
-    recall_margin: float = 0.0
+    # measured: halves the slots a choice rewrites (4,326 -> 2,128 a step) at the same NLL at every step
+    # (3.4366 vs 3.4363 with all layers voting and no margin)
+    recall_margin: float = 0.3
     recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00

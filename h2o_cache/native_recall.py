@@ -90,24 +90,25 @@ def ranks(cache) -> bool:
 
 @torch.no_grad()
 def assign(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool,
-           voters: list[int] | None = None) -> None:
+           voters: list[int] | None = None, margin: float = 0.0) -> None:
     """Make the choice of `choose` (everywhere: over all layers; voters as there) or `choose_blocks`
     (else, for the contiguous `layers`) and write only which slot takes which token into the row's
     `recall.held` (a slot whose token stays chosen keeps it), not the window itself:
     `recall.write_rows` copies the tokens of the slots that changed to where the window lives."""
     function = kernel().h2o_recall_choose if everywhere else kernel().h2o_recall_choose_blocks
     _run(function, cache, row, queries, scaling, layers, cache.config.recall_span if everywhere else 0, window=False,
-         voters=voters)
+         voters=voters, margin=margin)
 
 
 @torch.no_grad()
-def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int, voters: list[int] | None = None) -> None:
+def choose(cache, row: int, queries: torch.Tensor, scaling: float, span: int, voters: list[int] | None = None,
+           margin: float = 0.0) -> None:
     """`recall.choose(cache, row, ..., everywhere=True)`: fill the row's window (r = recalled[row] slots
     per layer and KV head) with the r archived tokens per head whose positions, with their neighbours'
     within `span`, drew the most of `queries`' ([L, H_kv, Q, D] before RoPE, grouped by KV head)
-    pooled attention (of the heads of the layers `voters` alone, where given); only the slots whose
-    token changed are rewritten."""
-    _run(kernel().h2o_recall_choose, cache, row, queries, scaling, slice(None), span, voters=voters)
+    pooled attention (of the heads of the layers `voters` alone, where given), each head's held tokens
+    ranked by their votes x (1 + margin); only the slots whose token changed are rewritten."""
+    _run(kernel().h2o_recall_choose, cache, row, queries, scaling, slice(None), span, voters=voters, margin=margin)
 
 
 @torch.no_grad()
@@ -119,10 +120,10 @@ def choose_blocks(cache, row: int, queries: torch.Tensor, scaling: float, layers
 
 
 def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
-         window: bool = True, voters: list[int] | None = None) -> None:
+         window: bool = True, voters: list[int] | None = None, margin: float = 0.0) -> None:
     """Call a choice of the kernel on the row's archive and window, for the layers `layers` (window
-    False: only the row's `recall.held` is written; voters: see `_prepare`)."""
-    choice, written, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters)
+    False: only the row's `recall.held` is written; voters, margin: see `_prepare`)."""
+    choice, written, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters, margin)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
@@ -132,16 +133,18 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
 
 @torch.no_grad()
 def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, span: int,
-                done: list[int] | None = None, voters: dict[int, list[int] | None] | None = None) -> None:
+                done: list[int] | None = None, voters: dict[int, list[int] | None] | None = None,
+                margins: dict[int, float] | None = None) -> None:
     """`choose` for each (row, queries) of `asked` in one kernel call, each row's choice on one
     thread, as many rows at a time as threads: a row's choice is bound by memory and has a serial
     stage (the votes, in head order), so two rows side by side take less than one after the other on
     two threads. Each row's result is the one `choose` gives (it does not depend on the threads).
     The rows that chose go to `done`; where a row's choice was refused, the others still chose and
     this raises after. voters[row]: the layers whose heads alone vote in the row's choice (absent or
-    None: all)."""
-    voters = voters or {}
-    prepared = [(row, *_prepare(cache, row, queries, scaling, slice(None), span, True, voters.get(row)))
+    None: all); margins[row]: its margin for held tokens (absent: 0)."""
+    voters, margins = voters or {}, margins or {}
+    prepared = [(row, *_prepare(cache, row, queries, scaling, slice(None), span, True, voters.get(row),
+                                margins.get(row, 0.0)))
                 for row, queries in asked]
     choices = (_Choice * len(prepared))(*[choice for _, choice, _, _ in prepared])
     written = (ctypes.c_void_p * len(prepared))(*[w.data_ptr() for _, _, w, _ in prepared])
@@ -160,14 +163,16 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
 
 
 def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
-             window: bool, voters: list[int] | None = None) -> tuple[_Choice, torch.Tensor, tuple]:
+             window: bool, voters: list[int] | None = None,
+             margin: float = 0.0) -> tuple[_Choice, torch.Tensor, tuple]:
     """The kernel's `Choice` for the row's archive and window in `layers` (voters: for a choice over
-    all layers, the layers whose heads alone vote; None: all of them), the [L', H] counts it writes,
+    all layers, the layers whose heads alone vote; None: all of them; margin: a decode choice ranks
+    the held tokens by their votes x (1 + margin)), the [L', H] counts it writes,
     and the tensors its pointers read (to keep alive until the call returns). A row's `Choice` is kept
     between calls and built again only where what it was built from moved (`_sources`: storage grown,
     blocks formed, a window grown or reallocated, other layers or voters); else only its queries and
     length are set: building one is ~50 fields and a dozen tensor calls, ~0.2 ms, paid at every
-    decode step where a row chooses at every step."""
+    decode step where a row chooses at every step. Its queries, length and margin are set anew."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()  # forms the blocks archived since: before anything is read
@@ -187,6 +192,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
     _, choice, written, keep = entry
     choice.queries = queries.data_ptr()
     choice.length = cache.lengths[row]
+    choice.margin = margin
     return choice, written, (queries, *keep)
 
 
@@ -196,13 +202,14 @@ _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _sources(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
              voters: list[int] | None, group: int, cos, sin) -> tuple:
-    """What a row's `Choice` is built from, but its queries and length: equal where the kept one holds."""
+    """What a row's `Choice` is built from, but its queries, length and margin: equal where the kept one
+    holds."""
     archive = cache.archives[row]
     held = recall.held(cache, row)
     fields = (id(archive), archive.full_blocks, cache.recalled[row], held.data_ptr(), held.shape[-1],
               *(storage[name].data_ptr() for name in ("keys", "values", "origins", "lo", "hi", "half")),
               storage["keys"].shape[2], storage["lo"].shape[2], span, scaling, group, torch.get_num_threads(),
-              cache.config.recall_margin, None if voters is None else tuple(voters))
+              None if voters is None else tuple(voters))
     if window:
         buffers = cache.buffers()
         copy = cache.window_copy(current=False)
@@ -215,7 +222,7 @@ def _sources(cache, row: int, storage: dict, first: int, end: int, span: int, sc
 
 def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
            voters: list[int] | None, group: int, cos, sin) -> tuple[_Choice, torch.Tensor, tuple]:
-    """A row's `Choice` (queries and length unset), the counts it writes and the tensors it reads."""
+    """A row's `Choice` (queries, length and margin unset), the counts it writes and the tensors it reads."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     heads = archive.shape[1]
@@ -230,7 +237,6 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), half=ranked[first].data_ptr(),
         half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
-        margin=cache.config.recall_margin,
         held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
     keep: tuple = ()  # what the Choice points at that nothing else holds; not the archive's storage,
     # which a kept Choice must not hold on to after the archive grows (the sources then differ)

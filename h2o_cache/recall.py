@@ -173,17 +173,20 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
     """`choose` for each (row, queries) of `asked`, in turn. Where the kernel chooses for a window it
     cannot write (a GPU's: `native_recall.ranks`), it names each row's new tokens and the windows of
     all the rows are written together after (`write_rows`: on a GPU two uploads and one set of ops,
-    not per row). In a choice over all layers (everywhere) the rows of `few` pool the votes of
-    `recall_voters`' layers alone (`CacheConfig.voter_layers`). The rows that chose go to `done`; a row
-    that raises ends the call, after the windows of the rows before it are written."""
+    not per row). In a choice over all layers (everywhere) the rows of `few` (the choices after a
+    reply's burst) pool the votes of `recall_voters`' layers alone (`CacheConfig.voter_layers`) and
+    favour their held tokens by `recall_margin`; a burst's choices follow their queries as they are.
+    The rows that chose go to `done`; a row that raises ends the call, after the windows of the rows
+    before it are written."""
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
     few_layers = cache.config.voter_layers(cache.spec.num_layers) if everywhere and layers == slice(None) else None
     voters = {row: few_layers if row in few else None for row, _ in asked}  # None: every layer of `layers` votes
+    margins = {row: cache.config.recall_margin if everywhere and row in few else 0.0 for row, _ in asked}
     if everywhere and kernel_chooses and native_recall.supports(cache) and len(asked) >= max(2, torch.get_num_threads()):
         grouped = [(row, by_kv_head(cache, queries)) for row, queries in asked if cache.recalled[row]]
         if done is not None:
             done.extend(row for row, _ in asked if not cache.recalled[row])
-        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done, voters)  # side by side
+        native_recall.choose_many(cache, grouped, scaling, cache.config.recall_span, done, voters, margins)  # side by side
         return
     pending: list[tuple[int, torch.Tensor]] = []
     try:
@@ -193,15 +196,16 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                 grouped = by_kv_head(cache, queries)
                 if kernel_chooses and native_recall.supports(cache):  # choice and window in one call
                     if everywhere:
-                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span, voters[row])
+                        native_recall.choose(cache, row, grouped, scaling, cache.config.recall_span, voters[row],
+                                             margins[row])
                     else:
                         native_recall.choose_blocks(cache, row, grouped, scaling, layers)
                 elif kernel_chooses and native_recall.ranks(cache):  # the choice on the host, the window where it lives
                     before = held(cache, row)[layers].clone()
-                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere, voters[row])
+                    native_recall.assign(cache, row, grouped, scaling, layers, everywhere, voters[row], margins[row])
                     pending.append((row, before))
                 else:
-                    margin = cache.config.recall_margin if everywhere else 0.0  # a decode choice's alone
+                    margin = margins[row]
                     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
                                                         cache.config.recall_span, voters[row],
                                                         held(cache, row)[layers] if margin else None, margin)

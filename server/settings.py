@@ -107,7 +107,7 @@ class ServerSettings(BaseSettings):
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")
     recall_interval: int = Field(
-        3, ge=1, le=4096, description="decode steps between two choices of a conversation's recall window by its "
+        1, ge=1, le=4096, description="decode steps between two choices of a conversation's recall window by its "
                                       "latest queries after --recall-burst, when it decodes alone; with n "
                                       "conversations decoding, n times this (at most --recall-interval-max), so "
                                       "choosing costs about the same share of a step at any batch (every prefill "
@@ -126,8 +126,9 @@ class ServerSettings(BaseSettings):
                                           "by its question, goes first); unset: all on the CPU, 1 on a GPU, where a "
                                           "choice runs on the host and costs more than a batched step (RESULTS.md)")
     recall_margin: float = Field(
-        0.0, ge=0.0, le=100.0, description="a decode step's choice ranks the tokens a head's recall window holds with "
-                                           "their votes times 1 + this, so that fewer slots are rewritten per choice")
+        0.3, ge=0.0, le=100.0, description="a decode step's choice after --recall-burst ranks the tokens a head's recall "
+                                           "window holds with their votes times 1 + this, so that fewer slots are "
+                                           "rewritten per choice (0: by the votes alone)")
     recall_overlap: bool | None = Field(
         None, description="make the due choices of the recall window (all but a reply's first) on the host while the "
                           "device runs the decode step, by the queries of the step before it (a window one step "

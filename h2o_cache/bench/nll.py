@@ -205,20 +205,25 @@ def _score_fast_group(gen: Generator, config: CacheConfig, items: list[Item]) ->
     return teacher_forced(items, torch.stack(firsts), step)
 
 
-def interval_label(budget: int, recall: int, interval: int, voters: int, overlap: bool | None = None) -> str:
-    """`h2o B +rN every K`, ` voters V` where V layers vote in the choices after the burst, and
-    ` beside` / ` before` where the fast step's choices run beside / before the step (`recall_overlap`)."""
+def interval_label(budget: int, recall: int, interval: int, voters: int, overlap: bool | None = None,
+                   margin: float | None = None) -> str:
+    """`h2o B +rN every K`, ` voters V` where V layers vote in the choices after the burst,
+    ` beside` / ` before` where the fast step's choices run beside / before the step (`recall_overlap`),
+    and ` margin M` where a decode choice favours held tokens by M (`recall_margin`; none: the default)."""
     label = f"h2o {budget} +r{recall} every {interval}" + (f" voters {voters}" if voters else "")
-    return label + ("" if overlap is None else " beside" if overlap else " before")
+    label += "" if overlap is None else " beside" if overlap else " before"
+    return label + ("" if margin is None else f" margin {margin:g}")
 
 
 def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,
          recall_budgets: list[int] | None = None, intervals: list[int] | None = None,
-         voters: list[int] | None = None, overlaps: list[bool] | None = None) -> list[Run]:
+         voters: list[int] | None = None, overlaps: list[bool] | None = None,
+         margins: list[float] | None = None) -> list[Run]:
     """`full`, then every policy at every budget, and h2o with a recall budget of `recall` at each of
     `recall_budgets` (default: every budget) as `h2o B +rN`, or with `intervals` once per decode-time
-    choice interval and count of voting layers of `voters` (default: the config's), and with `overlaps`
-    once per `recall_overlap` value, as `interval_label` names them."""
+    choice interval and count of voting layers of `voters` (default: the config's), with `overlaps`
+    once per `recall_overlap` value and with `margins` once per `recall_margin` (default: the
+    config's), as `interval_label` names them."""
     runs = [Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))]
     for budget in budgets:
         for policy in policies:
@@ -232,9 +237,11 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
         for k in intervals or []:  # every k steps for every row, however many decode together
             for v in voters or [config.recall_voters]:
                 for overlap in overlaps or [None]:
-                    runs.append(Run(interval_label(budget, recall, k, v, overlap),
-                                    replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v,
-                                            recall_overlap=overlap)))
+                    for margin in margins or [None]:
+                        runs.append(Run(interval_label(budget, recall, k, v, overlap, margin),
+                                        replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v,
+                                                recall_overlap=overlap,
+                                                recall_margin=config.recall_margin if margin is None else margin)))
     return runs
 
 
@@ -388,6 +395,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recall-overlap", type=int, nargs="+", choices=(0, 1), default=None,
                         help="with --recall-intervals: run each once with the fast step's choices before it (0) and/or "
                              "beside it (1, as on a GPU; recall_overlap); implies --fast-path")
+    parser.add_argument("--recall-margins", type=float, nargs="+", default=None,
+                        help="with --recall-intervals: run each once per margin for held tokens (recall_margin)")
     parser.add_argument("--fast-path", action="store_true",
                         help="feed the targets on the fast step (StaticDecoder, `score_fast`), contexts as turns; "
                              "`full` (which the fast step cannot take) stays on the transformers path")
@@ -430,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"no article of {args.data} has a prompt of {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens")
     runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets,
                 intervals=args.recall_intervals, voters=args.recall_voters,
-                overlaps=None if args.recall_overlap is None else [bool(v) for v in args.recall_overlap])
+                overlaps=None if args.recall_overlap is None else [bool(v) for v in args.recall_overlap],
+                margins=args.recall_margins)
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
     tokens = torch.tensor([len(item.target) for item in items], dtype=torch.float64)
@@ -467,8 +477,10 @@ def interval_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor)
     lines = []
     for label in results:
         parts = label.split()
-        if len(parts) not in (5, 6, 7, 8) or parts[3] != "every":
+        if len(parts) not in (5, 6, 7, 8, 9, 10) or parts[3] != "every":
             continue
+        if parts[-2] == "margin":
+            parts = parts[:-2]
         overlap = {"beside": True, "before": False}.get(parts[-1])
         default = interval_label(int(parts[1]), int(parts[2][2:]), CacheConfig.recall_interval, CacheConfig.recall_voters,
                                  None if overlap is None else False)

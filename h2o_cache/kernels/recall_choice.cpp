@@ -385,34 +385,40 @@ bool best_by_walk(const Ranked& s, const int64_t* origins, int64_t n, const int6
         std::fill(h.stamp.begin(), h.stamp.end(), 0);
         h.generation = 1;
     }
-    const uint64_t current = static_cast<uint64_t>(h.generation) << 32;
+    h.flag.resize(n);
+    // locals, not members: a store through the stamps or the flags may alias anything read through s or h
+    uint64_t* const stamp = h.stamp.data();
+    uint8_t* const flag = h.flag.data();
+    const uint64_t current = static_cast<uint64_t>(h.generation) << 32, high = ~0xFFFFFFFFull;
+    const int64_t mask = s.mask;
     for (int64_t t = 0; t < n; ++t) {
-        uint64_t& at = h.stamp[origins[t] & s.mask];
-        if ((at & ~0xFFFFFFFFull) == current) return false;
+        uint64_t& at = stamp[origins[t] & mask];
+        if ((at & high) == current) return false;
         at = current | static_cast<uint64_t>(t);
     }
     const bool favour = s.bonus != 1.0f;
-    h.flag.resize(n);
     const auto mark = [&](uint8_t to) {
         for (int64_t j = 0; j < r; ++j)
-            if (held[j] >= 0 && held[j] < n) h.flag[held[j]] = to;
+            if (held[j] >= 0 && held[j] < n) flag[held[j]] = to;
     };
     if (favour) mark(1);
     h.keys.clear();
     int64_t taken = 0;
     bool decided = false;
-    for (int64_t i = 0; i < s.size; ++i) {
-        const uint64_t at = h.stamp[key_index(s.order[i])];
-        if ((at & ~0xFFFFFFFFull) == current) {
+    const uint64_t* const order = s.order;
+    const int64_t size = s.size;
+    for (int64_t i = 0; i < size; ++i) {
+        const uint64_t at = stamp[key_index(order[i])];
+        if ((at & high) == current) {
             const int64_t t = static_cast<int64_t>(at & 0xFFFFFFFFull);
-            if (!(favour && h.flag[t])) {
-                h.keys.push_back(token_key(s, origins, t, false));
+            if (!(favour && flag[t])) {
+                h.keys.push_back(rank_key(s.score[origins[t] & mask], t));
                 ++taken;
             }
         }
         // a score's tokens all go in together: the index decides among them (past a cut order, the
         // next score is not known)
-        if (taken >= r && (i + 1 == s.size ? s.complete : (s.order[i + 1] >> 32) != (s.order[i] >> 32))) {
+        if (taken >= r && (i + 1 == size ? s.complete : (order[i + 1] >> 32) != (order[i] >> 32))) {
             decided = true;
             break;
         }
@@ -423,19 +429,24 @@ bool best_by_walk(const Ranked& s, const int64_t* origins, int64_t n, const int6
     }
     if (favour) {
         for (int64_t j = 0; j < r; ++j)
-            if (held[j] >= 0 && held[j] < n && h.flag[held[j]]) {
-                h.flag[held[j]] = 0;  // once, and cleared
+            if (held[j] >= 0 && held[j] < n && flag[held[j]]) {
+                flag[held[j]] = 0;  // once, and cleared
                 h.keys.push_back(token_key(s, origins, held[j], true));
             }
     }
     // the r best of ~r + what the head holds, then their indices in ascending order by flags over n
     std::nth_element(h.keys.begin(), h.keys.begin() + (r - 1), h.keys.end(), std::greater<uint64_t>());
-    for (int64_t j = 0; j < r; ++j) h.flag[key_index(h.keys[j])] = 1;
-    for (int64_t t = 0, k = 0; k < r; ++t)
-        if (h.flag[t]) {
-            h.flag[t] = 0;
-            out[k++] = t;
-        }
+    int64_t last = 0;
+    for (int64_t j = 0; j < r; ++j) {
+        const int64_t t = key_index(h.keys[j]);
+        flag[t] = 1;
+        last = std::max(last, t);
+    }
+    for (int64_t t = 0, k = 0; t <= last; ++t) {  // no branch: every index written, the count moved by the flagged
+        out[k] = t;
+        k += flag[t];
+        flag[t] = 0;
+    }
     return true;
 }
 
@@ -743,7 +754,7 @@ int choose(const Choice& c, int32_t* written) {
         order.clear();
         for (int64_t p = first; p <= last; ++p)
             if (scores[p] > 0.0f) order.push_back(rank_key(scores[p], p));
-        const int64_t ordered = order_best(order, std::max<int64_t>(8 * r, 1024));
+        const int64_t ordered = order_best(order, std::max<int64_t>(4 * r, 512));
         const Ranked ranked{order.data(), ordered, ordered == static_cast<int64_t>(order.size()), score_of, mask,
                             bonus};
 #pragma omp parallel num_threads(threads)

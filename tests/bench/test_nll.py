@@ -198,16 +198,20 @@ def test_recall_intervals_run_each_configuration_once_per_interval_and_pair_with
     runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[2], voters=[0, 5])
     assert [(r.label, r.config.recall_voters) for r in runs if "+r" in r.label] == [
         ("h2o 256 +r128 every 2", 0), ("h2o 256 +r128 every 2 voters 5", 5)]
+    runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[1], voters=[5], margins=[0.0, 0.3])
+    assert [(r.label, r.config.recall_margin) for r in runs if "+r" in r.label] == [
+        ("h2o 256 +r128 every 1 voters 5 margin 0", 0.0), ("h2o 256 +r128 every 1 voters 5 margin 0.3", 0.3)]
     tokens = torch.tensor([10.0, 20.0, 30.0])
     full = torch.tensor([20.0, 40.0, 60.0])
     default = interval_label(256, 128, CacheConfig.recall_interval, CacheConfig.recall_voters)
+    other = "h2o 256 +r128 every 7 margin 0"  # an interval and margin other than the default's
     results = {"full": full, "h2o 256": full + tokens * 0.1, default: full + tokens * 0.05,
-               "h2o 256 +r128 every 1": full + tokens * 0.02}
+               other: full + tokens * 0.02}
     assert interval_differences(results, tokens) == [
-        f"- h2o 256 +r128 every 1 - {default}: -0.0300 [-0.0300, -0.0300] nats/token "
+        f"- {other} - {default}: -0.0300 [-0.0300, -0.0300] nats/token "
         "(negative: better than the default)"]
     lines = targets(results, tokens, [256])  # the interval runs are recall runs at budget 256
-    assert any(line.startswith("- h2o 256 +r128 every 1 - h2o 256: -0.0800") for line in lines)
+    assert any(line.startswith(f"- {other} - h2o 256: -0.0800") for line in lines)
 
 
 def test_the_fast_path_scores_as_the_transformers_path_does(tiny_model, byte_tokenizer):
@@ -224,9 +228,11 @@ def test_the_fast_path_scores_as_the_transformers_path_does(tiny_model, byte_tok
 
 
 def test_the_overlap_grid_names_its_runs_and_compares_them_with_the_choices_before_the_step():
-    runs = grid(["h2o"], [256], recall=128, intervals=[3], voters=[5], overlaps=[False, True])
+    k = CacheConfig.recall_interval  # the default's: beside pairs with before at it
+    runs = grid(["h2o"], [256], recall=128, intervals=[k], voters=[5], overlaps=[False, True])
     labels = [run.label for run in runs]
-    assert labels == ["full", "h2o 256", "h2o 256 +r128 every 3 voters 5 before", "h2o 256 +r128 every 3 voters 5 beside"]
+    assert labels == ["full", "h2o 256", f"h2o 256 +r128 every {k} voters 5 before",
+                      f"h2o 256 +r128 every {k} voters 5 beside"]
     assert [run.config.recall_overlap for run in runs[2:]] == [False, True]
     results = {label: torch.tensor([1.0 + i, 2.0]) for i, label in enumerate(labels)}
     lines = interval_differences(results, torch.tensor([4.0, 4.0]))

@@ -161,9 +161,9 @@ def test_several_secrets_are_asked_for_in_turn_each_earlier_answer_fed_as_a_repl
 
 
 def test_set_overrides_cache_config_fields_by_their_types_and_names_the_unknown():
-    config = cache_config("h2o:256+r128", {"recall_queries": "none", "recall_ahead": "true", "recall_interval": "1",
+    config = cache_config("h2o:256+r128", {"recall_queries": "none", "recall_ahead": "true", "recall_interval": "5",
                                            "heavy_ratio": "0.25"})
-    assert (config.recall_queries, config.recall_ahead, config.recall_interval, config.heavy_ratio) == (None, True, 1, 0.25)
+    assert (config.recall_queries, config.recall_ahead, config.recall_interval, config.heavy_ratio) == (None, True, 5, 0.25)
     assert config.budget == 256 and config.prefill_chunk == 128  # the spec's own fields stay (half the budget with recall)
     assert cache_config("h2o:256").prefill_chunk == 64  # a quarter without recall
     with pytest.raises(ValueError, match="no field 'recall_query'"):

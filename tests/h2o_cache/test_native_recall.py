@@ -91,12 +91,20 @@ def test_the_kernel_favours_held_tokens_by_the_margin_as_the_torch_ops_do(margin
         plain = twin(gen, kernel, recall_margin=0.0)  # from the same windows, no margin
         before = kernel.recall_count[0]
         for copy in (kernel, torch_ops, plain):
-            recall.refresh(copy, asked, copy.spec.scaling, [0])
+            recall.refresh(copy, asked, copy.spec.scaling, [0], few={0})  # a choice after the burst
         assert_same_windows(model, kernel, torch_ops)
         written, without = kernel.recall_count[0] - before, plain.recall_count[0] - before
         assert written <= without  # favouring held tokens can only keep more of them
         fewer += written < without
     assert fewer >= 3
+    # a burst's choice follows its queries as they are: the window with no margin, where a choice after
+    # the burst from the same window keeps other tokens
+    plain, after = twin(gen, kernel, recall_margin=0.0), twin(gen, kernel)
+    for copy in (kernel, plain):
+        recall.refresh(copy, queries, copy.spec.scaling, [0])
+    recall.refresh(after, queries, after.spec.scaling, [0], few={0})
+    assert torch.equal(kernel.windows[0][1], plain.windows[0][1])
+    assert not torch.equal(after.windows[0][1], plain.windows[0][1])
 
 
 @pytest.mark.parametrize("voters, layers", [(2, [1, 3]), (1, [2]), (4, None)])
@@ -106,7 +114,7 @@ def test_the_kernel_chooses_by_the_votes_of_a_few_layers_as_the_torch_ops_do(vot
     votes, as the torch ops choose; the votes of all layers choose otherwise. A choice in the burst
     (not `few`) still pools every layer's votes."""
     model = tiny_llama(heads=4, kv_heads=2, init_std=0.3, layers=4)
-    gen, cache = conversation(model, recall_voters=voters)
+    gen, cache = conversation(model, recall_voters=voters, recall_margin=0.0)  # the voters alone
     if not native_recall.supports(cache):
         pytest.skip("no C++ compiler: the recall kernel is not built")
     assert cache.config.voter_layers(4) == layers
