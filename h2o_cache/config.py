@@ -87,8 +87,8 @@ class CacheConfig:
     # text lose 0.044 nats/token choosing every 16th step against every step, 0.015 every 4th, and every
     # 32nd is as good as every 16th; with 5 voting layers and a margin of 0.3 (RESULTS.md, "Every step
     # alone") every step scores 3.438 against every 3rd's 3.446 ([-0.016, -0.000]), at 1.18-1.28x a
-    # batch-1 CPU step without recall (median of 5 runs 1.26; every 3rd: 1.10-1.14x); a batch of 8, each
-    # row every 8th, 3.467 against every 24th's 3.485, at 1.15-1.34x (median 1.23)
+    # batch-1 CPU step without recall (median of 6 runs 1.23; every 3rd: 1.10-1.14x); a batch of 8, each
+    # row every 8th, 3.467 against every 24th's 3.485, at 1.15-1.34x (median 1.22)
     recall_interval: int = 1
     recall_interval_max: int = 32
     # measured: continuations' NLL with 5 of 30 layers voting equals all 30's at every interval tried
