@@ -167,12 +167,12 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
              margin: float = 0.0) -> tuple[_Choice, torch.Tensor, tuple]:
     """The kernel's `Choice` for the row's archive and window in `layers` (voters: for a choice over
     all layers, the layers whose heads alone vote; None: all of them; margin: a decode choice ranks
-    the held tokens by their votes x (1 + margin)), the [L', H] counts it writes,
-    and the tensors its pointers read (to keep alive until the call returns). A row's `Choice` is kept
-    between calls and built again only where what it was built from moved (`_sources`: storage grown,
-    blocks formed, a window grown or reallocated, other layers or voters); else only its queries and
-    length are set: building one is ~50 fields and a dozen tensor calls, ~0.2 ms, paid at every
-    decode step where a row chooses at every step. Its queries, length and margin are set anew."""
+    the held tokens by their votes x (1 + margin)), the [L', H] counts it writes, and the tensors its
+    pointers read (to keep alive until the call returns). A row's `Choice` is kept between calls and
+    built again only where what it was built from moved (`_sources`: storage grown, blocks formed, a
+    window grown or reallocated, other layers or voters); else only its queries, length and margin are
+    set: building one is ~50 fields and a dozen tensor calls, ~0.2 ms, paid at every decode step where
+    a row chooses at every step."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     storage = archive.storage()  # forms the blocks archived since: before anything is read
@@ -182,7 +182,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
     if queries.dtype != torch.float32 or queries.device.type != "cpu" or not queries.is_contiguous():
         queries = queries.to(torch.float32).cpu().contiguous()
     cos, sin = cache.spec.rope.get(cache.lengths[row]) if window else (None, None)
-    sources = _sources(cache, row, storage, first, end, span, scaling, window, voters, queries.shape[2], cos, sin)
+    sources = _sources(cache, row, storage, span, scaling, window, voters, queries.shape[2], cos, sin)
     kept = _prepared.setdefault(cache, {})
     entry = kept.get((row, first, end, window))
     if entry is None or entry[0] != sources:
@@ -200,10 +200,10 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _sources(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
-             voters: list[int] | None, group: int, cos, sin) -> tuple:
-    """What a row's `Choice` is built from, but its queries, length and margin: equal where the kept one
-    holds."""
+def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: bool, voters: list[int] | None,
+             group: int, cos, sin) -> tuple:
+    """What a row's `Choice` for given layers is built from, but its queries, length and margin: equal
+    where the kept one holds (the layers are in the key it is kept under)."""
     archive = cache.archives[row]
     held = recall.held(cache, row)
     fields = (id(archive), archive.full_blocks, cache.recalled[row], held.data_ptr(), held.shape[-1],

@@ -327,18 +327,25 @@ struct Ranked {
     float bonus;
 };
 
-// keys[0..size) (`rank_key`s of positive scores) -> the best `want` of them, most first, at the front:
-// the prefix of the order that heads walk (they rarely need more than their window's r and what they
-// hold themselves). Returns how many are in order.
-int64_t order_best(std::vector<uint64_t>& keys, int64_t want) {
-    const int64_t size = static_cast<int64_t>(keys.size());
-    if (want < size) {
-        std::nth_element(keys.begin(), keys.begin() + want, keys.end(), std::greater<uint64_t>());
-        std::sort(keys.begin(), keys.begin() + want, std::greater<uint64_t>());
-        return want;
-    }
-    std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
-    return size;
+// The positions first .. last of a positive score[p], as `rank_key`s into order, the best `want` of them
+// (all where want >= their count) sorted most first at the front: the prefix that heads walk (they
+// rarely need more than their window's r and what they hold themselves). score[p] is the score of
+// origins p modulo mask + 1; a held token's counts `bonus` times.
+Ranked rank_positions(const float* score, int64_t first, int64_t last, int64_t want, int64_t mask, float bonus,
+                      std::vector<uint64_t>& order) {
+    order.clear();
+    for (int64_t p = first; p <= last; ++p)
+        if (score[p] > 0.0f) order.push_back(rank_key(score[p], p));
+    const int64_t size = static_cast<int64_t>(order.size()), ordered = std::min(want, size);
+    std::nth_element(order.begin(), order.begin() + ordered, order.end(), std::greater<uint64_t>());
+    std::sort(order.begin(), order.begin() + ordered, std::greater<uint64_t>());
+    return {order.data(), ordered, ordered == size, score, mask, bonus};
+}
+
+// flag[t] = to for every token t of held[0..r) that is one of the n (-1 or beyond: none).
+inline void mark_held(uint8_t* flag, const int64_t* held, int64_t r, int64_t n, uint8_t to) {
+    for (int64_t j = 0; j < r; ++j)
+        if (held[j] >= 0 && held[j] < n) flag[held[j]] = to;
 }
 
 // One thread's scratch for heads taking their tokens: ranking keys, a position's token of the head at
@@ -361,13 +368,9 @@ void best_by_scan(const Ranked& s, const int64_t* origins, int64_t n, const int6
     h.keys.resize(n);
     h.flag.resize(n);
     const bool favour = s.bonus != 1.0f;
-    const auto mark = [&](uint8_t to) {
-        for (int64_t j = 0; j < r; ++j)
-            if (held[j] >= 0 && held[j] < n) h.flag[held[j]] = to;
-    };
-    if (favour) mark(1);
+    if (favour) mark_held(h.flag.data(), held, r, n, 1);
     for (int64_t t = 0; t < n; ++t) h.keys[t] = token_key(s, origins, t, favour && h.flag[t]);
-    if (favour) mark(0);
+    if (favour) mark_held(h.flag.data(), held, r, n, 0);
     best_of_keys(h.keys, n, r, h.passed, out);
 }
 
@@ -397,11 +400,7 @@ bool best_by_walk(const Ranked& s, const int64_t* origins, int64_t n, const int6
         at = current | static_cast<uint64_t>(t);
     }
     const bool favour = s.bonus != 1.0f;
-    const auto mark = [&](uint8_t to) {
-        for (int64_t j = 0; j < r; ++j)
-            if (held[j] >= 0 && held[j] < n) flag[held[j]] = to;
-    };
-    if (favour) mark(1);
+    if (favour) mark_held(flag, held, r, n, 1);
     h.keys.clear();
     int64_t taken = 0;
     bool decided = false;
@@ -424,7 +423,7 @@ bool best_by_walk(const Ranked& s, const int64_t* origins, int64_t n, const int6
         }
     }
     if (!decided) {
-        if (favour) mark(0);
+        if (favour) mark_held(flag, held, r, n, 0);
         return false;
     }
     if (favour) {
@@ -751,12 +750,7 @@ int choose(const Choice& c, int32_t* written) {
         const float bonus = static_cast<float>(1.0 + c.margin);
         // the voted positions, most score first: every head walks them for its tokens (`best_by_walk`)
         static thread_local std::vector<uint64_t> order;
-        order.clear();
-        for (int64_t p = first; p <= last; ++p)
-            if (scores[p] > 0.0f) order.push_back(rank_key(scores[p], p));
-        const int64_t ordered = order_best(order, std::max<int64_t>(4 * r, 512));
-        const Ranked ranked{order.data(), ordered, ordered == static_cast<int64_t>(order.size()), score_of, mask,
-                            bonus};
+        const Ranked ranked = rank_positions(score_of, first, last, std::max<int64_t>(4 * r, 512), mask, bonus, order);
 #pragma omp parallel num_threads(threads)
         {
             static thread_local HeadScratch scratch;  // kept: the stamps are 512 KB
@@ -986,17 +980,14 @@ int h2o_recall_key_logits(const float* queries, int64_t G, int64_t D, const uint
 // One head's r tokens of a decode choice (ascending, into out) from the scores of `positions` positions
 // (a power of 2) and the head's n tokens' origins, as the choice takes them (margin: its held tokens'
 // factor is 1 + margin), by walking the positions ranked (walk nonzero, `best_by_walk`; cut > 0: only
-// the best `cut` positions ranked) or by ranking every token (`best_by_scan`), for the tests. Returns 0; 2 where the walk could not decide (nothing
-// written); 1 where it cannot run.
+// the best `cut` positions ranked) or by ranking every token (`best_by_scan`), for the tests. Returns
+// 0; 2 where the walk could not decide (nothing written); 1 where it cannot run.
 int h2o_recall_best_tokens(const float* score, int64_t positions, const int64_t* origins, int64_t n,
                            const int64_t* held, int64_t r, double margin, int walk, int64_t cut, int64_t* out) {
     if (positions <= 0 || (positions & (positions - 1)) || r <= 0 || r > n || positions > (1ll << 32)) return 1;
     std::vector<uint64_t> order;
-    for (int64_t p = 0; p < positions; ++p)
-        if (score[p] > 0.0f) order.push_back(rank_key(score[p], p));
-    const int64_t ordered = order_best(order, cut > 0 ? cut : static_cast<int64_t>(order.size()));
-    const Ranked ranked{order.data(), ordered, ordered == static_cast<int64_t>(order.size()), score, positions - 1,
-                        static_cast<float>(1.0 + margin)};
+    const Ranked ranked = rank_positions(score, 0, positions - 1, cut > 0 ? cut : positions, positions - 1,
+                                         static_cast<float>(1.0 + margin), order);
     HeadScratch scratch;
     if (!walk) {
         best_by_scan(ranked, origins, n, held, r, scratch, out);
