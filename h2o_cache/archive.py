@@ -9,11 +9,14 @@ Consecutive runs of `block` entries form blocks, the unit of recall. Before bloc
 tokens archived since the last block was formed are sorted by original position, per head:
 eviction drops a phrase's tokens a few at a time, mixed with others, and sorting gathers them back
 into the same blocks, so that a block is mostly a contiguous run of the conversation. Each full
-block has a digest, the channel-wise min and max of its keys (Quest, arXiv 2406.10774): for a query
-q, sum_d max(q_d lo_d, q_d hi_d) bounds q.k from above for every key k of the block, so a block
-holding one key the query would attend to strongly scores high even when its other keys are noise.
-The bound is computed before RoPE on both sides, i.e. as if the block sat at distance 0. The bound
-picks candidate blocks; the logits of the queries against their keys choose among them (`select`),
+block has a digest, a box [lo, hi] per channel, and a query q scores the block by the box's corner
+best aligned with it, sum_d max(q_d lo_d, q_d hi_d), before RoPE on both sides (as if the block sat
+at distance 0). By default the box is the keys' mean -/+ their mean absolute deviation (ArkVale's
+"cuboid-mean"), an estimate of what the block's typical key draws; with `digest="minmax"` it is the
+channel-wise min and max (Quest, arXiv 2406.10774), a bound on q.k for every key of the block, which
+a few large keys pointing every way loosen. Measured on decode queries of 6k-token texts (RESULTS.md,
+"Block digests"): of each head's 128 archived tokens of most attention, the 2,048 tokens of the
+blocks the mean digests rank highest hold 74%, the min and max's 63%. The score picks candidate blocks; the logits of the queries against their keys choose among them (`select`),
 in 16 bits: a 16-bit archive's own keys, or the fp16 copies an fp32 archive keeps of its full blocks'
 keys. Ranking reads every candidate's keys (all of a 2k history's, ~21 MB in 16 bits per decode
 choice of a row of the default model), and half the bytes of fp32 took a row's choice from 3.9 to 2.5
@@ -52,6 +55,10 @@ CANDIDATES = 16
 # Size of the position table the heads pool their votes in (`pool_by_position`): fixed, so that the
 # ranking's shapes never depend on the conversation's length.
 POSITIONS = 1 << 16
+# A block's digest (`CacheConfig.recall_digest`): "mean", ArkVale's centre -/+ the mean absolute
+# deviation per channel, or "minmax", Quest's channel-wise min and max. Both are read as a box
+# [lo, hi] whose corner best aligned with the query scores the block.
+DIGESTS = ("mean", "minmax")
 
 
 class Archive:
@@ -65,9 +72,12 @@ class Archive:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 block: int, limit: int):
+                 block: int, limit: int, digest: str = "mean"):
         if block < 1 or limit < block:
             raise ValueError(f"archive block ({block}) must be >= 1 and <= its limit ({limit})")
+        if digest not in DIGESTS:
+            raise ValueError(f"archive digest must be one of {DIGESTS}, not {digest!r}")
+        self.digest = digest
         self.shape = (num_layers, num_kv_heads)
         self.head_dim = head_dim
         self.dtype = dtype
@@ -215,7 +225,7 @@ class Archive:
                        scores=data["scores"].data_ptr(), origins=data["origins"].data_ptr(),
                        lo=self._lo.data_ptr(), hi=self._hi.data_ptr(),
                        half=self._half.data_ptr() if self._ranks_copies() else None,
-                       fp16=int(self.dtype == torch.float16))
+                       fp16=int(self.dtype == torch.float16), mean=int(self.digest == "mean"))
         if kernel().h2o_form_blocks(ctypes.byref(job)):
             raise ValueError("the native block forming refused the archive's storage")
         self._digested = full
@@ -227,9 +237,8 @@ class Archive:
         keys = self._data["keys"][:, :, start * size:end * size].float()
         if self._ranks_copies():
             self._half[:, :, start * size:end * size] = keys.half()
-        keys = keys.view(*self.shape, end - start, size, self.head_dim)
-        self._lo[:, :, start:end] = keys.amin(dim=3)
-        self._hi[:, :, start:end] = keys.amax(dim=3)
+        lo, hi = block_digests(keys.view(*self.shape, end - start, size, self.head_dim), self.digest)
+        self._lo[:, :, start:end], self._hi[:, :, start:end] = lo, hi
         self._digested = end
 
     @torch.no_grad()
@@ -321,7 +330,7 @@ class Archive:
     # ----- copies and snapshots -------------------------------------------------------------
 
     def copy(self) -> Archive:
-        twin = Archive(*self.shape, self.head_dim, self.dtype, self.block, self.limit)
+        twin = Archive(*self.shape, self.head_dim, self.dtype, self.block, self.limit, self.digest)
         twin.load_state(self.state())
         twin.dropped = self.dropped
         twin.epoch = self.epoch  # the same blocks under the same numbers: windows onto them stay valid
@@ -389,7 +398,19 @@ class _Forming(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("heads", "capacity", "digest_capacity", "dim", "block",
                                                      "start", "stored", "threads")]
                 + [(name, ctypes.c_void_p) for name in ("keys", "values", "scores", "origins", "lo", "hi", "half")]
-                + [("fp16", ctypes.c_int64)])
+                + [("fp16", ctypes.c_int64), ("mean", ctypes.c_int64)])
+
+
+def block_digests(keys: torch.Tensor, digest: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [..., blocks, block, D] fp32. Returns the blocks' digests lo, hi [..., blocks, D] (`DIGESTS`):
+    "mean", per channel the keys' mean -/+ their mean absolute deviation, each sum taken in token order
+    (as `kernels/compaction.cpp` sums them, so both give the same bits); "minmax", their min and max."""
+    if digest == "minmax":
+        return keys.amin(dim=-2), keys.amax(dim=-2)
+    size = keys.shape[-2]
+    centre = functools.reduce(torch.add, keys.unbind(dim=-2)) / size
+    spread = functools.reduce(torch.add, (keys - centre.unsqueeze(-2)).abs().unbind(dim=-2)) / size
+    return centre - spread, centre + spread
 
 
 def _voting(mass: torch.Tensor, voters: list[int] | None) -> torch.Tensor:

@@ -368,7 +368,7 @@ class H2OCache:
         spec, config = self.spec, self.config
         dtype = torch.float16 if spec.dtype == torch.float32 else spec.dtype
         return Archive(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype,
-                       config.recall_block, config.recall_archive)
+                       config.recall_block, config.recall_archive, config.recall_digest)
 
     def abort(self) -> None:
         """Forget a pass that failed midway; rows keep the tokens they had before it."""

@@ -1,8 +1,10 @@
 """Which archived blocks a layer and KV head's queries would attend to most, as pure tensor functions.
 
-Two stages, as Quest (arXiv 2406.10774) and ArkVale rank pages: each block's digest (the channel-wise
-min and max of its keys) bounds q.k for every key of the block, so softmaxing the bounds over the
-blocks gives the attention mass a block may draw (`bound_mass`); the exact logits of the queries
+Two stages, as Quest (arXiv 2406.10774) and ArkVale rank pages: each block's digest, a box [lo, hi]
+per channel (ArkVale's mean -/+ mean deviation of its keys by default, or Quest's min and max, which
+bound q.k for every key of the block: `archive.DIGESTS`), scores the block by the box's corner best
+aligned with the query, so softmaxing the scores over the blocks gives the attention mass a block
+may draw (`bound_mass`); the exact logits of the queries
 against the keys of the best candidates then choose among them (`token_mass`), since a block of
 large keys pointing every way has a loose bound though none of its keys matches the query. The
 exact mass is pooled by original position over every layer and head that chose together
@@ -24,8 +26,9 @@ import torch
 
 def bound_mass(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scaling: float) -> torch.Tensor:
     """queries [L, H, Q, D] fp32 before RoPE (the queries that share each KV head); lo, hi [L, H, N, D]
-    fp32 digests of N blocks. Returns [L, H, N] fp32: per query the softmax over blocks of the upper
-    bound of q.k * scaling (sum_d max(q_d lo_d, q_d hi_d)), summed over the queries."""
+    fp32 digests of N blocks. Returns [L, H, N] fp32: per query the softmax over blocks of the box's
+    best corner, sum_d max(q_d lo_d, q_d hi_d) * scaling (for min and max digests, the upper bound of
+    q.k * scaling), summed over the queries."""
     bound = torch.matmul(queries.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(queries.clamp(max=0), lo.transpose(-1, -2))
     return (bound * scaling).softmax(dim=-1).sum(dim=2)
 

@@ -15,7 +15,7 @@
 // per row and a copy per field; ~13 ms per eviction of 8 rows at 272 slots against ~2 ms here).
 // And the archive's tail is formed into blocks in one call (`form_blocks`): the tokens archived since
 // the last full block sorted by original position per head, then each new full block's digests
-// (channel-wise min and max of its keys) and, in an fp32 archive, its keys in fp16 for ranking, as
+// (the mean -/+ mean absolute deviation of its keys per channel, or their min and max) and, in an fp32 archive, its keys in fp16 for ranking, as
 // `Archive._digests` does with torch ops (the same rounding to nearest even as torch's `half()`). An
 // fp32 cache archives in fp16: `archive_dropped` rounds what it copies the same way.
 #include <immintrin.h>
@@ -152,6 +152,7 @@ struct Forming {
     float* hi;
     uint16_t* half;  // [heads, capacity, dim] fp16 copies of an fp32 archive's keys; null for an fp16 one
     int64_t fp16;
+    int64_t mean;    // digests: 0 the channel-wise min and max; 1 the mean -/+ the mean absolute deviation
 };
 
 int form_blocks(const Forming& s) {
@@ -201,10 +202,23 @@ int form_blocks(const Forming& s) {
                 float* hi = s.hi + (head * s.digest_capacity + b) * D;
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 low = _mm256_loadu_ps(k + d), high = low;
-                    for (int64_t t = 1; t < B; ++t) {
-                        const __m256 x = _mm256_loadu_ps(k + t * D + d);
-                        low = _mm256_min_ps(low, x);
-                        high = _mm256_max_ps(high, x);
+                    if (s.mean) {  // in the order and rounding of `Archive._digest`'s torch ops
+                        const __m256 count = _mm256_set1_ps(static_cast<float>(B)), sign = _mm256_set1_ps(-0.0f);
+                        __m256 sum = low;
+                        for (int64_t t = 1; t < B; ++t) sum = _mm256_add_ps(sum, _mm256_loadu_ps(k + t * D + d));
+                        const __m256 centre = _mm256_div_ps(sum, count);
+                        __m256 spread = _mm256_andnot_ps(sign, _mm256_sub_ps(low, centre));
+                        for (int64_t t = 1; t < B; ++t)
+                            spread = _mm256_add_ps(spread, _mm256_andnot_ps(sign, _mm256_sub_ps(_mm256_loadu_ps(k + t * D + d), centre)));
+                        spread = _mm256_div_ps(spread, count);
+                        low = _mm256_sub_ps(centre, spread);
+                        high = _mm256_add_ps(centre, spread);
+                    } else {
+                        for (int64_t t = 1; t < B; ++t) {
+                            const __m256 x = _mm256_loadu_ps(k + t * D + d);
+                            low = _mm256_min_ps(low, x);
+                            high = _mm256_max_ps(high, x);
+                        }
                     }
                     _mm256_storeu_ps(lo + d, low);
                     _mm256_storeu_ps(hi + d, high);

@@ -83,3 +83,21 @@ def test_recall_speed_by_step_sorts_every_timed_step_by_what_it_did_besides_deco
     assert counts["batch 2, on, every 1"] == [0, 8, 0]  # a choice before every step
     assert counts["batch 2, off"][1] == counts["batch 2, on, never choosing"][1] == 0
     assert counts["batch 2, off"][2] > 0  # rows over the budget were evicted within the timed steps
+
+
+def test_the_digests_bench_scores_every_digest_and_block_on_a_random_model(tmp_path, capsys):
+    """On a tiny random model: every digest x block row and every layer printed, each share in [0, 1],
+    and more candidates never find less."""
+    from h2o_cache.bench import digests, random_model
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    digests.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "400", "--steps", "2",
+                  "--offsets", "0", "5000", "--candidates", "64", "128"])
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| mean |", "| minmax |"))]
+    assert [(row[0], row[1]) for row in rows] == [(f"| {kind}", str(block)) for kind in ("mean", "minmax")
+                                                  for block in (8, 16, 32)]
+    for row in rows:
+        (r64, m64), (r128, m128) = (tuple(float(x) for x in cell.strip(" |").split(" / ")) for cell in row[2:])
+        assert 0 <= r64 <= r128 <= 1 and 0 <= m64 <= m128 <= 1
+    assert sum(line.startswith(("| 0 |", "| 1 |")) for line in out.splitlines()) == 2

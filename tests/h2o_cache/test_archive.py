@@ -221,8 +221,9 @@ def test_blocks_form_in_origin_order_among_the_tokens_archived_since_the_last_we
             assert torch.equal(state[name][1, 2, slot], piece[field][1, 2, at].to(state[name].dtype))
 
 
+@pytest.mark.parametrize("digest", ["mean", "minmax"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(dtype, monkeypatch):
+def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(dtype, digest, monkeypatch):
     """Appends of uneven sizes whose origins are scrambled differently in every head, formed after each
     append (some leaving a tail short of a block) and at the limit: the same storage order, digests and
     (an fp32 archive's) fp16 keys."""
@@ -230,7 +231,7 @@ def test_the_kernel_forms_blocks_and_digests_as_the_torch_ops_bit_for_bit(dtype,
         with monkeypatch.context() as patch:
             if not native:
                 patch.setattr(Archive, "native", lambda self: False)
-            a, seen, out = archive(block=4, limit=48, dtype=dtype), 0, []
+            a, seen, out = Archive(L, H, D, dtype, block=4, limit=48, digest=digest), 0, []
             for i, m in enumerate([3, 6, 1, 9, 4, 7, 12, 5, 8]):
                 keys, values, scores, _ = tokens(m, 0, seed=10 + i)
                 gen = torch.Generator().manual_seed(100 + i)
@@ -350,7 +351,31 @@ def test_an_fp32_archive_s_state_loads_into_an_fp16_archive_rounded_with_its_blo
     assert loaded["keys"].dtype == torch.float16 and int(loaded["blocked"][0]) == 2
     lo, hi = new._digests()
     keys = state["keys"][:, :, :8].half().float().view(L, H, 2, 4, D)
-    assert torch.equal(lo, keys.amin(dim=3)) and torch.equal(hi, keys.amax(dim=3))
+    centre = keys.mean(dim=3)
+    spread = (keys - centre[:, :, :, None]).abs().mean(dim=3)
+    torch.testing.assert_close(lo, centre - spread)
+    torch.testing.assert_close(hi, centre + spread)
+
+
+def test_a_block_s_digest_is_its_keys_mean_and_mean_deviation_or_their_min_and_max():
+    """The two digests of `CacheConfig.recall_digest`, against their definitions: per channel, the box
+    [mean - mean |k - mean|, mean + mean |k - mean|] (ArkVale) or [min, max] (Quest)."""
+    keys, values, scores, origins = tokens(12, 0, seed=3)
+    for digest in ("mean", "minmax"):
+        a = Archive(L, H, D, torch.float16, block=4, limit=64, digest=digest)
+        a.append(keys, values, scores, origins)
+        lo, hi = a._digests()
+        blocks = a.state()["keys"][:, :, :12].float().view(L, H, 3, 4, D)
+        if digest == "mean":
+            centre = blocks.mean(dim=3)
+            spread = (blocks - centre[:, :, :, None]).abs().mean(dim=3)
+            torch.testing.assert_close(lo, centre - spread)
+            torch.testing.assert_close(hi, centre + spread)
+            assert (hi > lo).all() and (lo > blocks.amin(dim=3)).any()  # narrower than the min and max
+        else:
+            assert torch.equal(lo, blocks.amin(dim=3)) and torch.equal(hi, blocks.amax(dim=3))
+    with pytest.raises(ValueError, match="digest"):
+        Archive(L, H, D, torch.float16, block=4, limit=64, digest="median")
 
 
 def test_an_empty_archive_copies_and_restores_empty():
