@@ -7,6 +7,7 @@ import sys
 import threading
 
 import uvicorn
+from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from server.app import create_app
@@ -30,7 +31,13 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = CliApp.run(ServerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    try:
+        settings = CliApp.run(ServerSettings, cli_args=sys.argv[1:] if argv is None else argv)
+    except ValidationError as exc:  # a value out of its range or choices: one line per flag, no traceback
+        for error in exc.errors():
+            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-")
+            print(f"python -m server: error: {flag}: {error['msg']} (got {error.get('input')!r})", file=sys.stderr)
+        return 2
     try:
         settings.cache_config()  # refuse an inconsistent budget now, not after minutes of loading
     except ValueError as exc:

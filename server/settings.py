@@ -97,6 +97,9 @@ class ServerSettings(BaseSettings):
                                               "top of --kv-budget; a multiple of --recall-block; 0: evicted tokens are "
                                               "dropped; unset: 128 with an evicting policy and position rolling, else 0")
     recall_block: int = Field(8, ge=1, le=4096, description="tokens per archived block, the unit of recall")
+    recall_digest: Literal["mean", "minmax"] = Field(
+        "mean", description="what ranks the archived blocks before their keys are read: mean, their keys' mean "
+                            "-/+ mean deviation (ArkVale); minmax, their min and max (Quest)")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
@@ -209,7 +212,7 @@ class ServerSettings(BaseSettings):
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
                            position_rolling=self.position_rolling, prefill_chunk=self.chunk,
-                           recall_budget=self.recall, recall_block=self.recall_block,
+                           recall_budget=self.recall, recall_block=self.recall_block, recall_digest=self.recall_digest,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,

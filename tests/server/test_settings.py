@@ -11,7 +11,7 @@ FLAGS = ["--host", "--port", "--model", "--device", "--dtype", "--policy", "--kv
          "--sink-tokens", "--no-position-rolling", "--max-batch-size", "--max-queue", "--max-sessions",
          "--session-ttl", "--api-key", "--max-prompt-tokens", "--prefill-chunk", "--threads", "--served-model-name",
          "--recall-budget", "--recall-block", "--recall-archive", "--recall-probe", "--recall-queries",
-         "--recall-ahead", "--recall-voters"]
+         "--recall-ahead", "--recall-voters", "--recall-digest"]
 
 
 def parse(*args: str) -> ServerSettings:
@@ -63,6 +63,8 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     config = parse("--recall-queries", "16", "--recall-ahead").cache_config()
     assert (config.recall_queries, config.recall_ahead) == (16, True)
     assert parse("--recall-voters", "3").cache_config().recall_voters == 3
+    assert parse().cache_config().recall_digest == "mean"
+    assert parse("--recall-digest", "minmax").cache_config().recall_digest == "minmax"
     assert parse("--recall-voters", "0").cache_config().recall_voters == 0
 
 
