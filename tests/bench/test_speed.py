@@ -91,8 +91,11 @@ def test_the_digests_bench_scores_every_digest_and_block_on_a_random_model(tmp_p
     from h2o_cache.bench import digests, random_model
 
     random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
-    digests.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "400", "--steps", "2",
-                  "--offsets", "0", "5000", "--candidates", "64", "128"])
+    words = [f"word{i % 97} {i}" for i in range(3000)]  # no data file needed: a text of numbered words
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words))
+    digests.main(["--model", str(tmp_path), "--text", str(text), "--budget", "32", "--recall", "16",
+                  "--history", "400", "--steps", "2", "--offsets", "0", "5000", "--candidates", "64", "128"])
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| mean |", "| minmax |"))]
     assert [(row[0], row[1]) for row in rows] == [(f"| {kind}", str(block)) for kind in ("mean", "minmax")
