@@ -16,12 +16,13 @@ at distance 0). By default the box is the keys' mean -/+ their mean absolute dev
 channel-wise min and max (Quest, arXiv 2406.10774), a bound on q.k for every key of the block, which
 a few large keys pointing every way loosen. Measured on decode queries of 6k-token texts (RESULTS.md,
 "Block digests"): of each head's 128 archived tokens of most attention, the 2,048 tokens of the
-blocks the mean digests rank highest hold 74%, the min and max's 63%. The score picks candidate blocks; the logits of the queries against their keys choose among them (`select`),
-in 16 bits: a 16-bit archive's own keys, or the fp16 copies an fp32 archive keeps of its full blocks'
-keys. Ranking reads every candidate's keys (all of a 2k history's, ~21 MB in 16 bits per decode
-choice of a row of the default model), and half the bytes of fp32 took a row's choice from 3.9 to 2.5
-ms (the C++ kernel, 2 threads, batch 8 at 2k tokens), for logits rounded to fp16 keys (a relative
-~5e-4 per key). `H2OCache` archives in 16 bits (an fp32 cache's in fp16): 29 KB of host memory per
+blocks the mean digests rank highest hold 74%, the min and max's 63%. The score picks candidate
+blocks; the logits of the queries against their keys choose among them (`select`), in 16 bits: a
+16-bit archive's own keys, or the fp16 copies an fp32 archive keeps of its full blocks' keys.
+Ranking reads every candidate's keys (all of a 2k history's, ~21 MB in 16 bits per decode choice of a
+row of the default model), and half the bytes of fp32 took a row's choice from 3.9 to 2.5 ms (the
+C++ kernel, 2 threads, batch 8 at 2k tokens), for logits rounded to fp16 keys (a relative ~5e-4 per
+key). `H2OCache` archives in 16 bits (an fp32 cache's in fp16): 29 KB of host memory per
 archived token of the default model instead of 63 KB for fp32 with fp16 copies.
 
 The archive is never emptied by a recall: the cache's recall window (`h2o_cache.recall`) holds
@@ -40,7 +41,7 @@ import sys
 
 import torch
 
-from h2o_cache.config import CacheConfig
+from h2o_cache.config import DIGESTS, CacheConfig
 from h2o_cache.eviction import take_vectors
 from h2o_cache.quantized import kernel
 from h2o_cache.selection import (block_mass, block_tokens, bound_mass, pool_by_position, position_votes, span_votes, token_mass,
@@ -55,10 +56,6 @@ CANDIDATES = 16
 # Size of the position table the heads pool their votes in (`pool_by_position`): fixed, so that the
 # ranking's shapes never depend on the conversation's length.
 POSITIONS = 1 << 16
-# A block's digest (`CacheConfig.recall_digest`): "mean", ArkVale's centre -/+ the mean absolute
-# deviation per channel, or "minmax", Quest's channel-wise min and max. Both are read as a box
-# [lo, hi] whose corner best aligned with the query scores the block.
-DIGESTS = ("mean", "minmax")
 
 
 class Archive:

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from h2o_cache.policies import POLICIES, get_policy
 
+# What a recall block's digest can be (`CacheConfig.recall_digest`, `archive.block_digests`): "mean",
+# ArkVale's centre -/+ the mean absolute deviation per channel, or "minmax", Quest's channel-wise min
+# and max. Both are read as a box [lo, hi] whose corner best aligned with the query scores the block.
+DIGESTS = ("mean", "minmax")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -29,7 +34,7 @@ class CacheConfig:
         0 drops evicted tokens.
     recall_block: tokens per archive block, the unit of recall (recall_budget is a multiple of it).
     recall_digest: what a block's digest is, by which the choices rank blocks before their tokens'
-        exact logits (`h2o_cache.archive.DIGESTS`): "mean" (the keys' mean -/+ their mean absolute
+        exact logits (`DIGESTS`): "mean" (the keys' mean -/+ their mean absolute
         deviation, ArkVale) or "minmax" (their channel-wise min and max, Quest).
     recall_archive: most evicted tokens per layer/KV head a row archives; the oldest go first.
     recall_probe: the last tokens of a turn's prompt, fed as chunks of their own so that their
@@ -133,8 +138,9 @@ class CacheConfig:
                 raise ValueError(f"recall needs an evicting policy with position rolling, not {self.policy!r}{rolling}")
             if self.recall_block < 1 or self.recall_budget % self.recall_block:
                 raise ValueError(f"recall_budget ({self.recall_budget}) must be a multiple of recall_block ({self.recall_block})")
-            if self.recall_digest not in ("mean", "minmax"):
-                raise ValueError(f"recall_digest must be 'mean' or 'minmax', got {self.recall_digest!r}")
+            if self.recall_digest not in DIGESTS:
+                choices = " or ".join(repr(digest) for digest in DIGESTS)
+                raise ValueError(f"recall_digest must be {choices}, got {self.recall_digest!r}")
             if self.recall_archive < self.recall_budget:
                 raise ValueError(f"recall_archive ({self.recall_archive}) must hold at least recall_budget ({self.recall_budget})")
             if self.recall_probe < 1:

@@ -2,7 +2,7 @@
 
 Two stages, as Quest (arXiv 2406.10774) and ArkVale rank pages: each block's digest, a box [lo, hi]
 per channel (ArkVale's mean -/+ mean deviation of its keys by default, or Quest's min and max, which
-bound q.k for every key of the block: `archive.DIGESTS`), scores the block by the box's corner best
+bound q.k for every key of the block: `config.DIGESTS`), scores the block by the box's corner best
 aligned with the query, so softmaxing the scores over the blocks gives the attention mass a block
 may draw (`bound_mass`); the exact logits of the queries
 against the keys of the best candidates then choose among them (`token_mass`), since a block of

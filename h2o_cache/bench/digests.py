@@ -3,7 +3,7 @@
 A choice first ranks the archive's blocks by their digests (`Archive.select`: the box [lo, hi] per
 channel, scored by its corner best aligned with the query) and reads the exact logits of the best
 blocks' keys only, so a token whose block the digest ranks low cannot come back. For every digest of
-`archive.DIGESTS` ("mean": ArkVale's centre -/+ mean deviation; "minmax": Quest's min and max) and
+`config.DIGESTS` ("mean": ArkVale's centre -/+ mean deviation; "minmax": Quest's min and max) and
 block size, this measures, on decode queries of a long text:
 
 - recall: of each layer and KV head's 128 archived tokens of most attention (its own queries' softmax
@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.archive import DIGESTS, block_digests
+from h2o_cache.archive import block_digests
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
 from h2o_cache.bench.recall_speed import conversation_row, decoder_of
+from h2o_cache.config import DIGESTS
 from h2o_cache.recall import by_kv_head
 from h2o_cache.selection import bound_mass, token_mass
 
@@ -77,8 +78,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"the text from offset {offset} is shorter than {args.history + 64 + args.steps} tokens")
         row = conversation_row(gen, config, tokens[:args.history])
         decoder = decoder_of(gen, config, row, tokens[args.history:args.history + 64], 1, 8)
-        storage = decoder.cache.archives[0].storage()
-        n = decoder.cache.archives[0].full_blocks * decoder.cache.archives[0].block
+        archive = decoder.cache.archives[0]
+        storage = archive.storage()
+        n = archive.full_blocks * archive.block
         n -= n % max(BLOCKS)
         if n < max(BUDGETS) or n < TOP:
             raise SystemExit(f"{n} archived tokens per head: fewer than the candidates or the top; a longer --history")

@@ -15,9 +15,10 @@
 // per row and a copy per field; ~13 ms per eviction of 8 rows at 272 slots against ~2 ms here).
 // And the archive's tail is formed into blocks in one call (`form_blocks`): the tokens archived since
 // the last full block sorted by original position per head, then each new full block's digests
-// (the mean -/+ mean absolute deviation of its keys per channel, or their min and max) and, in an fp32 archive, its keys in fp16 for ranking, as
-// `Archive._digests` does with torch ops (the same rounding to nearest even as torch's `half()`). An
-// fp32 cache archives in fp16: `archive_dropped` rounds what it copies the same way.
+// (the mean -/+ mean absolute deviation of its keys per channel, or their min and max) and, in an
+// fp32 archive, its keys in fp16 for ranking, as `Archive._digests` does with torch ops (the same
+// rounding to nearest even as torch's `half()`). An fp32 cache archives in fp16: `archive_dropped`
+// rounds what it copies the same way.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -208,8 +209,10 @@ int form_blocks(const Forming& s) {
                         for (int64_t t = 1; t < B; ++t) sum = _mm256_add_ps(sum, _mm256_loadu_ps(k + t * D + d));
                         const __m256 centre = _mm256_div_ps(sum, count);
                         __m256 spread = _mm256_andnot_ps(sign, _mm256_sub_ps(low, centre));
-                        for (int64_t t = 1; t < B; ++t)
-                            spread = _mm256_add_ps(spread, _mm256_andnot_ps(sign, _mm256_sub_ps(_mm256_loadu_ps(k + t * D + d), centre)));
+                        for (int64_t t = 1; t < B; ++t) {
+                            const __m256 x = _mm256_loadu_ps(k + t * D + d);
+                            spread = _mm256_add_ps(spread, _mm256_andnot_ps(sign, _mm256_sub_ps(x, centre)));
+                        }
                         spread = _mm256_div_ps(spread, count);
                         low = _mm256_sub_ps(centre, spread);
                         high = _mm256_add_ps(centre, spread);
