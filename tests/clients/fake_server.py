@@ -19,8 +19,10 @@ def error(status: int, message: str, code: str, type_: str = "invalid_request_er
     return JSONResponse({"error": {"message": message, "type": type_, "param": None, "code": code}}, status)
 
 
-def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001, replica: str = "") -> FastAPI:
-    """replica: a name sent back in X-Replica, so routing tests can tell the servers apart."""
+def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001, replica: str = "",
+             prefill: float = 0.0) -> FastAPI:
+    """delay: seconds per token; prefill: seconds before the first one, as a prompt's forward pass takes.
+    replica: a name sent back in X-Replica, so routing tests can tell the servers apart."""
     app = FastAPI()
     sessions: dict[str, int] = {}  # session id -> conversation length in tokens (words)
 
@@ -55,6 +57,7 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
         fail = "FAIL_MIDSTREAM" in body["messages"][-1]["content"]
 
         async def frames():
+            await asyncio.sleep(prefill)
             base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake-model"}
             for i in range(n):
                 if fail and i == 2:
