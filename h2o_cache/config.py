@@ -11,6 +11,12 @@ from h2o_cache.policies import POLICIES, get_policy
 # and max. Both are read as a box [lo, hi] whose corner best aligned with the query scores the block.
 DIGESTS = ("mean", "minmax")
 
+# Where a row with a recall window gives its held keys positions (`CacheConfig.recall_positions`): "text",
+# own tokens at their slots and each window token between the two own tokens around its origin (a
+# fraction of a slot apart: `recall.text_positions`), or "rank", every held token, own and window, at
+# its rank in the order of the text among them (`recall.held_ranks`: a permutation of the row's slots).
+POSITIONS = ("text", "rank")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -76,6 +82,11 @@ class CacheConfig:
         runs on the same cores as the choice.
     recall_kernel: a decode step's choice over all layers runs in one C++ call on the CPU
         (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
+    recall_positions: where a row's held keys stand for RoPE (`POSITIONS`): "text" (the shipped
+        layout) or "rank", every held key re-rotated, for each pass, to its rank in the order of the
+        text, so that a recalled phrase keeps one position per word (measured on a code said once at
+        depth 85% of a 4k-token message: 16/24 against 8/24, RESULTS.md, "Positions"). "rank" runs on
+        the transformers path only (`forward_pass.attend`); the fast step refuses it.
     """
 
     policy: str = "h2o"
@@ -116,6 +127,7 @@ class CacheConfig:
     recall_choices: int | None = None
     recall_overlap: bool | None = None
     recall_kernel: bool = True
+    recall_positions: str = "text"
 
     def voter_layers(self, layers: int) -> list[int] | None:
         """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
@@ -141,6 +153,9 @@ class CacheConfig:
             if self.recall_digest not in DIGESTS:
                 choices = " or ".join(repr(digest) for digest in DIGESTS)
                 raise ValueError(f"recall_digest must be {choices}, got {self.recall_digest!r}")
+            if self.recall_positions not in POSITIONS:
+                choices = " or ".join(repr(scheme) for scheme in POSITIONS)
+                raise ValueError(f"recall_positions must be {choices}, got {self.recall_positions!r}")
             if self.recall_archive < self.recall_budget:
                 raise ValueError(f"recall_archive ({self.recall_archive}) must hold at least recall_budget ({self.recall_budget})")
             if self.recall_probe < 1:

@@ -353,6 +353,33 @@ def place(cache: H2OCache, rows: list[int]) -> None:
         cache._rotated[:, at, :, :r] = stored(rotate(keys.float(), cos, sin), keys.dtype)
 
 
+def held_ranks(origins: torch.Tensor) -> torch.Tensor:
+    """origins [..., n] of a row's held tokens (window and own, any order) -> [..., n] int64: each
+    token's rank in the order of the text among them, a permutation of 0..n-1 (`recall_positions`
+    "rank"). A phrase recalled whole gets one position per word, as its own tokens have, where
+    `text_positions` puts it within one slot; the newest tokens, never archived, keep their slots, so
+    a pass's queries stand where they are. Fixed shapes, no host reads."""
+    order = origins.argsort(dim=-1, stable=True)
+    count = torch.arange(origins.shape[-1], device=origins.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, count)
+
+
+def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch.Tensor:
+    """`keys` ([B, H_kv, K, D], this pass's visible keys) with each row's held keys rotated to their
+    `held_ranks` instead of the buffers' layout (a copy; the buffers keep theirs): rows without a window
+    are as they were (ranks and slots agree). The chunk's new tokens are the row's newest, at their
+    slots either way."""
+    rows = [row for row in range(keys.shape[0]) if cache.recalled[row]]
+    if not rows:
+        return keys
+    keys = keys.clone()
+    for row in rows:
+        n = cache.lengths[row] + step.n_new[row]
+        cos, sin = cache.spec.rope.at(held_ranks(cache._origins[layer, row, :, :n]))
+        keys[row, :, :n] = rotate(cache._keys[layer, row, :, :n].float(), cos, sin).to(keys.dtype)
+    return keys
+
+
 def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:
     """Positions for recalled tokens among a row's own (position rolling keeps those at their slots).
 

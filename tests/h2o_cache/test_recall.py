@@ -732,6 +732,56 @@ def test_recalled_tokens_take_places_that_read_with_the_row_s_own_tokens_in_the_
     torch.testing.assert_close(placed.double(), text_order_positions(origins, r), rtol=0, atol=1e-6)
 
 
+def test_held_ranks_order_every_held_token_by_its_origin_a_phrase_one_position_a_word():
+    """`held_ranks`: a permutation of the slots in the order of the origins; where the window holds a
+    phrase of 5 consecutive tokens from between two own tokens, its words stand one position apart
+    (`text_positions` puts all five within one slot); own tokens newer than every window token keep
+    their slots."""
+    r, m = 8, 12
+    window = torch.tensor([40, 41, 42, 43, 44, 3, 90, 5])  # a phrase 40-44 between own tokens 30 and 100
+    own = torch.tensor([0, 1, 2, 10, 20, 30, 100, 110, 120, 121, 122, 123])
+    origins = torch.cat([window, own])
+    ranks = recall.held_ranks(origins[None, None])[0, 0]
+    assert sorted(ranks.tolist()) == list(range(r + m))
+    assert torch.equal(origins[ranks.argsort()], origins.sort().values)
+    assert ranks[:5].tolist() == [8, 9, 10, 11, 12]  # 0 1 2 3 5 10 20 30 | 40..44
+    assert torch.equal(ranks[r + 7:], torch.arange(r + 7, r + m))  # own tokens newer than the window: their slots
+    fractional = recall.text_positions(window[None, None], own[None, None], r)[0, 0, :5]
+    assert fractional.max() - fractional.min() < 1
+
+
+def test_rank_positions_rotate_the_held_keys_of_a_row_with_a_window_to_their_ranks_and_no_other(peaked_model):
+    """recall_positions "rank": a pass attends to each held key rotated to its rank (`rank_rotated`,
+    a copy: the buffers keep the text layout); a row with no window yet attends as before; the fast
+    step refuses the scheme, and generation with it is deterministic and reads other positions than
+    the text layout's (other replies)."""
+    config = recall_config(recall_positions="rank")
+    gen = Generator(peaked_model, ByteTokenizer(), config)
+    cache = gen.new_cache(2)
+    gen.prefill(cache, [random_tokens(90, seed=1), random_tokens(10, seed=2)], recall=True)
+    assert cache.recalled[0] > 0 and cache.recalled[1] == 0
+    cache.begin([1, 1])
+    step = cache._step
+    layer = 1
+    keys = cache._rotated[layer, :2, :, :step.kv_len]
+    before = keys.clone()
+    rotated = recall.rank_rotated(cache, step, layer, keys)
+    assert torch.equal(keys, before)  # the buffers are untouched
+    n = cache.lengths[0] + 1
+    cos, sin = cache.spec.rope.at(recall.held_ranks(cache._origins[layer, 0, :, :n]))
+    torch.testing.assert_close(rotated[0, :, :n], rotate(cache._keys[layer, 0, :, :n].float(), cos, sin))
+    assert not torch.allclose(rotated[0, :, :n], before[0, :, :n])
+    assert torch.equal(rotated[1], before[1])
+    cache._step = None
+    with pytest.raises(ValueError, match="recall_positions='rank'"):
+        StaticDecoder(peaked_model, config, max_rows=2)
+    prompt = [random_tokens(90, seed=3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    first, again = (gen.generate(prompt, params)[0].token_ids for _ in range(2))
+    text = Generator(peaked_model, ByteTokenizer(), recall_config()).generate(prompt, params)[0].token_ids
+    assert first == again and first != text
+
+
 def test_assign_keeps_every_token_still_chosen_in_its_slot_and_fills_the_rest():
     """`recall.assign` over random windows (some slots unknown, -1): the slots then hold exactly the
     chosen tokens; a slot whose token is still chosen keeps it; the others take the new tokens in
