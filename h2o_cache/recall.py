@@ -337,6 +337,11 @@ def place(cache: H2OCache, rows: list[int]) -> None:
     rows = [row for row in rows if 0 < cache.recalled[row] < cache.lengths[row]]
     if not rows:
         return
+    if cache.config.recall_positions == "rank" and any(cache.ranked[row] for row in rows):
+        rank_layout(cache, [row for row in rows if cache.ranked[row]])  # stays so until the burst is over
+        rows = [row for row in rows if not cache.ranked[row]]
+        if not rows:
+            return
     if native_recall.supports(cache):  # which rewrites the keys of the windows' copy too
         native_recall.place(cache, rows)
         return
@@ -365,11 +370,11 @@ def held_ranks(origins: torch.Tensor) -> torch.Tensor:
 
 
 def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch.Tensor:
-    """`keys` ([B, H_kv, K, D], this pass's visible keys) with each row's held keys rotated to their
-    `held_ranks` instead of the buffers' layout (a copy; the buffers keep theirs): rows without a window
-    are as they were (ranks and slots agree). The chunk's new tokens are the row's newest, at their
-    slots either way."""
-    rows = [row for row in range(keys.shape[0]) if cache.recalled[row]]
+    """`keys` ([B, H_kv, K, D], this pass's visible keys) with the held keys of each row that takes a
+    prefill chunk and has a window rotated to their `held_ranks` (a copy: the buffers keep their
+    layout); other rows as they were (a decoding row's buffers hold the layout `rank_layout` or
+    `text_layout` wrote). The chunk's new tokens are the row's newest, at their slots either way."""
+    rows = [row for row in range(keys.shape[0]) if cache.recalled[row] and step.n_new[row] > 1]
     if not rows:
         return keys
     keys = keys.clone()
@@ -378,6 +383,39 @@ def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch
         cos, sin = cache.spec.rope.at(held_ranks(cache._origins[layer, row, :, :n]))
         keys[row, :, :n] = rotate(cache._keys[layer, row, :, :n].float(), cos, sin).to(keys.dtype)
     return keys
+
+
+@torch.no_grad()
+def rank_layout(cache: H2OCache, rows: list[int]) -> None:
+    """recall_positions "rank", after a choice of a reply's burst or an eviction of a row so laid out:
+    rotate every held key of each row (window and own) to its rank in the order of the text
+    (`held_ranks`), window keys as a window holds them (`stored`), so that the next decode pass, on
+    either path, reads them there; its copy is refreshed before the step (`window_changed`)."""
+    for row in rows:
+        n, r = cache.lengths[row], cache.recalled[row]
+        if not 0 < r < n:
+            continue
+        cos, sin = cache.spec.rope.get(n)
+        ranks = held_ranks(cache._origins[:, row, :, :n])  # [L, H, n]
+        rotated = rotate(cache._keys[:, row, :, :n].float(), cos[ranks], sin[ranks])
+        target = cache._rotated[:, row, :, :n]
+        target[..., r:, :] = rotated[..., r:, :].to(target.dtype)
+        target[..., :r, :] = stored(rotated[..., :r, :], target.dtype)
+        cache.ranked[row] = True
+        cache.window_changed(row)
+
+
+@torch.no_grad()
+def text_layout(cache: H2OCache, rows: list[int]) -> None:
+    """Back from `rank_layout` once a reply's burst is over: own keys at their slots (position rolling),
+    the window placed between them (`place`)."""
+    rows = [row for row in rows if 0 < cache.recalled[row] < cache.lengths[row]]
+    for row in rows:
+        n, r = cache.lengths[row], cache.recalled[row]
+        cos, sin = cache.spec.rope.get(n)
+        rotate_into(cache._rotated[:, row, :, r:n], cache._keys[:, row, :, r:n], cos[r:n], sin[r:n])
+        cache.ranked[row] = False
+    place(cache, rows)
 
 
 def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:

@@ -80,9 +80,6 @@ class StaticDecoder:
                  quantized: bool | None = None, native: bool | None = None, exact: bool = False):
         if not config.rolling:
             raise ValueError(f"static decode needs an evicting policy with position rolling, not {config.describe()}")
-        if config.recalls and config.recall_positions != "text":
-            raise ValueError(f"static decode places recalled keys by their text positions, not "
-                             f"recall_positions={config.recall_positions!r} (the transformers path has it)")
         self.spec = model_spec(model)
         self.weights = decoder_weights(model)
         self.quantized_weights = None

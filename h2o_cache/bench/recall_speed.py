@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
                              "they run beside it by default (a GPU)")
     parser.add_argument("--torch-choice", action="store_true",
                         help="also time each interval with a decode step's choice on the torch ops (recall_kernel=False)")
+    parser.add_argument("--ranks", action="store_true",
+                        help="also time the prefill with recall_positions='rank' (held keys read at their ranks "
+                             "in the text; decode steps after a reply's burst are as without it)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
@@ -198,9 +201,13 @@ def main(argv: list[str] | None = None) -> None:
                     "on": CacheConfig(budget=args.budget, recall_budget=args.recall, prefill_chunk=chunk)}
         prefills["16 queries"] = replace(prefills["on"], recall_queries=16)
         prefills["ahead"] = replace(prefills["on"], recall_queries=16, recall_ahead=True)
+        labels = [("on", ""), ("16 queries", ", chunks choosing by 16 queries per head (recall_queries)"),
+                  ("ahead", ", and body chunks given their previous chunk's choice (recall_ahead)")]
+        if args.ranks:
+            prefills["ranks"] = replace(prefills["on"], recall_positions="rank")
+            labels.append(("ranks", ", held keys read at their ranks (recall_positions='rank')"))
         times = prefill_times(gen, prefills, prompt, args.prefill_reps)
-        for name, label in (("on", ""), ("16 queries", ", chunks choosing by 16 queries per head (recall_queries)"),
-                            ("ahead", ", and body chunks given their previous chunk's choice (recall_ahead)")):
+        for name, label in labels:
             ratio = statistics.median(a / b for a, b in zip(times[name], times["off"]))
             table.append([f"prefill of a {args.prompt}-token prompt in chunks of {chunk}{label}", 1e3 * statistics.median(times["off"]),
                           1e3 * statistics.median(times[name]), ratio, "<= 1.5", "met" if ratio <= 1.5 else "MISSED"])

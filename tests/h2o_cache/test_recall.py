@@ -84,8 +84,14 @@ def assert_window_holds_archive_tokens(model, cache, row: int) -> None:
     state = row_state(cache, row)
     assert torch.equal(state["pinned"], (torch.arange(n) < r).expand_as(state["pinned"]))
     cos, sin = rope(model, n)
-    torch.testing.assert_close(state["rotated"][:, :, r:], rotate(state["keys"], cos, sin)[:, :, r:], rtol=1e-5, atol=1e-5)
-    if r:
+    if cache.ranked[row]:  # recall_positions "rank" during a reply's burst: every held key at its rank
+        ranks = recall.held_ranks(state["origins"])
+        expected = rotate(state["keys"], cos[ranks], sin[ranks])
+        torch.testing.assert_close(state["rotated"][:, :, r:], expected[:, :, r:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state["rotated"][:, :, :r], expected[:, :, :r], rtol=2 ** -10, atol=5e-5)
+    else:
+        torch.testing.assert_close(state["rotated"][:, :, r:], rotate(state["keys"], cos, sin)[:, :, r:], rtol=1e-5, atol=1e-5)
+    if r and not cache.ranked[row]:
         placed = text_order_positions(state["origins"], r)
         x = torch.zeros(1, 1, state["keys"].shape[-1])
         cos, sin = (t[0].view(*placed.shape, -1) for t in model.model.rotary_emb(x, placed.reshape(1, -1).float()))
@@ -386,18 +392,20 @@ def q_projections(model):
     return captured, hooks
 
 
-def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_same_windows(peaked_model):
+@pytest.mark.parametrize("positions", ["text", "rank"])
+def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_same_windows(peaked_model, positions):
     """With recall_interval=1, each step of either path attends with the window the previous step's
     queries chose: same logits, same windows, same tokens; the fast step's kept queries are its q
-    projections (before RoPE), as the transformers path's are."""
-    config = recall_config()
+    projections (before RoPE), as the transformers path's are. With ranks (`recall_positions`), the
+    burst's steps read every held key at its rank, the steps after it the text layout, on both paths."""
+    config = recall_config(recall_positions=positions, recall_burst=12)
     gen = Generator(peaked_model, ByteTokenizer(), config)
     decoder = StaticDecoder(peaked_model, config, max_rows=2)
     eager = gen.new_cache(0)
     recalling_rows(gen, (30, 31), [decoder])
     eager.extend(decoder.cache)
     d = peaked_model.config.hidden_size // peaked_model.config.num_attention_heads
-    changes = 0
+    changes, layouts = 0, []
     for _ in range(30):  # both rows cross the budget with their windows
         before = [w[1].clone() for w in decoder.cache.windows]
         captured, hooks = q_projections(peaked_model)
@@ -427,7 +435,11 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
             assert_nothing_lost_or_held_twice(decoder.cache, row)
         tokens = [[t] for t in expected.argmax(-1).tolist()]
         decoder.cache.pending, eager.pending = tokens, [list(t) for t in tokens]
+        layouts.append((tuple(decoder.cache.ranked), tuple(eager.ranked)))
     assert changes > 0  # the steps' queries did move the windows
+    ranked = ((True, True),) * 2
+    assert layouts == ([ranked] * 12 + [((False, False),) * 2] * 18 if positions == "rank"
+                       else [((False, False),) * 2] * 30)  # the burst: the reply's first 12 choices
 
 
 @pytest.mark.parametrize("burst, interval, most, every", [(0, 1, 1, 1), (0, 3, 1, 3), (4, 5, 1, 5), (0, 1, 8, 2),
@@ -752,29 +764,26 @@ def test_held_ranks_order_every_held_token_by_its_origin_a_phrase_one_position_a
 
 def test_rank_positions_rotate_the_held_keys_of_a_row_with_a_window_to_their_ranks_and_no_other(peaked_model):
     """recall_positions "rank": a pass attends to each held key rotated to its rank (`rank_rotated`,
-    a copy: the buffers keep the text layout); a row with no window yet attends as before; the fast
-    step refuses the scheme, and generation with it is deterministic and reads other positions than
-    the text layout's (other replies)."""
+    a copy: the buffers keep the text layout); a row with no window yet attends as before; generation
+    with it is deterministic and reads other positions than the text layout's (other replies)."""
     config = recall_config(recall_positions="rank")
     gen = Generator(peaked_model, ByteTokenizer(), config)
     cache = gen.new_cache(2)
     gen.prefill(cache, [random_tokens(90, seed=1), random_tokens(10, seed=2)], recall=True)
     assert cache.recalled[0] > 0 and cache.recalled[1] == 0
-    cache.begin([1, 1])
+    cache.begin([4, 4])  # a prefill chunk: its pass reads ranks from a copy
     step = cache._step
     layer = 1
     keys = cache._rotated[layer, :2, :, :step.kv_len]
     before = keys.clone()
     rotated = recall.rank_rotated(cache, step, layer, keys)
     assert torch.equal(keys, before)  # the buffers are untouched
-    n = cache.lengths[0] + 1
+    n = cache.lengths[0] + 4
     cos, sin = cache.spec.rope.at(recall.held_ranks(cache._origins[layer, 0, :, :n]))
     torch.testing.assert_close(rotated[0, :, :n], rotate(cache._keys[layer, 0, :, :n].float(), cos, sin))
     assert not torch.allclose(rotated[0, :, :n], before[0, :, :n])
     assert torch.equal(rotated[1], before[1])
     cache._step = None
-    with pytest.raises(ValueError, match="recall_positions='rank'"):
-        StaticDecoder(peaked_model, config, max_rows=2)
     prompt = [random_tokens(90, seed=3)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     first, again = (gen.generate(prompt, params)[0].token_ids for _ in range(2))

@@ -11,7 +11,7 @@ FLAGS = ["--host", "--port", "--model", "--device", "--dtype", "--policy", "--kv
          "--sink-tokens", "--no-position-rolling", "--max-batch-size", "--max-queue", "--max-sessions",
          "--session-ttl", "--api-key", "--max-prompt-tokens", "--prefill-chunk", "--threads", "--served-model-name",
          "--recall-budget", "--recall-block", "--recall-archive", "--recall-probe", "--recall-queries",
-         "--recall-ahead", "--recall-voters", "--recall-digest"]
+         "--recall-ahead", "--recall-voters", "--recall-digest", "--recall-positions"]
 
 
 def parse(*args: str) -> ServerSettings:
@@ -65,6 +65,8 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     assert parse("--recall-voters", "3").cache_config().recall_voters == 3
     assert parse().cache_config().recall_digest == "mean"
     assert parse("--recall-digest", "minmax").cache_config().recall_digest == "minmax"
+    assert parse().cache_config().recall_positions == "text"
+    assert parse("--recall-positions", "rank").cache_config().recall_positions == "rank"
     assert parse("--recall-voters", "0").cache_config().recall_voters == 0
 
 
