@@ -397,10 +397,13 @@ def rank_layout(cache: H2OCache, rows: list[int]) -> None:
             continue
         cos, sin = cache.spec.rope.get(n)
         ranks = held_ranks(cache._origins[:, row, :, :n])  # [L, H, n]
-        rotated = rotate(cache._keys[:, row, :, :n].float(), cos[ranks], sin[ranks])
+        half = cos.shape[-1] // 2  # transformers' layout: cos and sin repeat one half (`rotate_into`)
+        at = ranks.flatten()
+        shape = (*ranks.shape, half)
         target = cache._rotated[:, row, :, :n]
-        target[..., r:, :] = rotated[..., r:, :].to(target.dtype)
-        target[..., :r, :] = stored(rotated[..., :r, :], target.dtype)
+        rotate_into(target, cache._keys[:, row, :, :n], cos[:, :half].index_select(0, at).view(shape),
+                    sin[:, :half].index_select(0, at).view(shape))
+        target[..., :r, :] = stored(target[..., :r, :], target.dtype)
         cache.ranked[row] = True
         cache.window_changed(row)
 
