@@ -82,11 +82,12 @@ class CacheConfig:
         runs on the same cores as the choice.
     recall_kernel: a decode step's choice over all layers runs in one C++ call on the CPU
         (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
-    recall_positions: where a row's held keys stand for RoPE (`POSITIONS`): "text" (the shipped
-        layout) or "rank", every held key re-rotated, for each pass, to its rank in the order of the
-        text, so that a recalled phrase keeps one position per word (measured on a code said once at
-        depth 85% of a 4k-token message: 16/24 against 8/24, RESULTS.md, "Positions"). "rank" runs on
-        the transformers path only (`forward_pass.attend`); the fast step refuses it.
+    recall_positions: where a row's held keys stand for RoPE (`POSITIONS`): "text" (the default
+        layout) or "rank", every held key at its rank in the order of the text, so that a recalled
+        phrase keeps one position per word, in every prefill pass (`recall.rank_rotated`) and through
+        a reply's burst (`recall.rank_layout`; the text layout after it). Measured (RESULTS.md,
+        "Positions"): a code said once at depth 85% of a 4k-token message 16/24 against 8/24 in the
+        library, a tie through the server, a listing 0.8 against 1.0: not the default.
     """
 
     policy: str = "h2o"
