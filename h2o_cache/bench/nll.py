@@ -44,6 +44,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator, H2OCache
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
+from h2o_cache.config import POSITIONS
 from h2o_cache.bench.stats import ratio_of_sums_difference
 from h2o_cache.bench.xsum import INSTRUCTION
 
@@ -206,24 +207,26 @@ def _score_fast_group(gen: Generator, config: CacheConfig, items: list[Item]) ->
 
 
 def interval_label(budget: int, recall: int, interval: int, voters: int, overlap: bool | None = None,
-                   margin: float | None = None) -> str:
+                   margin: float | None = None, positions: str | None = None) -> str:
     """`h2o B +rN every K`, ` voters V` where V layers vote in the choices after the burst,
     ` beside` / ` before` where the fast step's choices run beside / before the step (`recall_overlap`),
-    and ` margin M` where a decode choice favours held tokens by M (`recall_margin`; none: the default)."""
+    ` margin M` where a decode choice favours held tokens by M (`recall_margin`; none: the default),
+    and ` ranks` where the held keys are read at their ranks (`recall_positions` "rank")."""
     label = f"h2o {budget} +r{recall} every {interval}" + (f" voters {voters}" if voters else "")
     label += "" if overlap is None else " beside" if overlap else " before"
-    return label + ("" if margin is None else f" margin {margin:g}")
+    label += "" if margin is None else f" margin {margin:g}"
+    return label + (" ranks" if positions == "rank" else "")
 
 
 def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,
          recall_budgets: list[int] | None = None, intervals: list[int] | None = None,
          voters: list[int] | None = None, overlaps: list[bool] | None = None,
-         margins: list[float] | None = None) -> list[Run]:
+         margins: list[float] | None = None, positions: list[str] | None = None) -> list[Run]:
     """`full`, then every policy at every budget, and h2o with a recall budget of `recall` at each of
     `recall_budgets` (default: every budget) as `h2o B +rN`, or with `intervals` once per decode-time
     choice interval and count of voting layers of `voters` (default: the config's), with `overlaps`
     once per `recall_overlap` value and with `margins` once per `recall_margin` (default: the
-    config's), as `interval_label` names them."""
+    config's) and with `positions` once per `recall_positions`, as `interval_label` names them."""
     runs = [Run("full", CacheConfig(policy="full", prefill_chunk=FULL_CHUNK))]
     for budget in budgets:
         for policy in policies:
@@ -238,10 +241,11 @@ def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, reca
             for v in voters or [config.recall_voters]:
                 for overlap in overlaps or [None]:
                     for margin in margins or [None]:
-                        runs.append(Run(interval_label(budget, recall, k, v, overlap, margin),
-                                        replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v,
-                                                recall_overlap=overlap,
-                                                recall_margin=config.recall_margin if margin is None else margin)))
+                        for scheme in positions or [config.recall_positions]:
+                            runs.append(Run(interval_label(budget, recall, k, v, overlap, margin, scheme),
+                                            replace(config, recall_interval=k, recall_interval_max=k, recall_voters=v,
+                                                    recall_overlap=overlap, recall_positions=scheme,
+                                                    recall_margin=config.recall_margin if margin is None else margin)))
     return runs
 
 
@@ -397,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
                              "beside it (1, as on a GPU; recall_overlap); implies --fast-path")
     parser.add_argument("--recall-margins", type=float, nargs="+", default=None,
                         help="with --recall-intervals: run each once per margin for held tokens (recall_margin)")
+    parser.add_argument("--recall-positions", nargs="+", choices=POSITIONS, default=None,
+                        help="with --recall-intervals: run each once per layout of the held keys (recall_positions)")
     parser.add_argument("--fast-path", action="store_true",
                         help="feed the targets on the fast step (StaticDecoder, `score_fast`), contexts as turns; "
                              "`full` (which the fast step cannot take) stays on the transformers path")
@@ -440,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = grid(args.policies, args.budgets, recall=args.recall, recall_budgets=args.recall_budgets,
                 intervals=args.recall_intervals, voters=args.recall_voters,
                 overlaps=None if args.recall_overlap is None else [bool(v) for v in args.recall_overlap],
-                margins=args.recall_margins)
+                margins=args.recall_margins, positions=args.recall_positions)
     if args.sweep:
         runs = runs[:1] + sweep(args.sweep_budgets, args.heavy_ratios, args.sinks)
     tokens = torch.tensor([len(item.target) for item in items], dtype=torch.float64)
@@ -477,8 +483,10 @@ def interval_differences(results: dict[str, torch.Tensor], tokens: torch.Tensor)
     lines = []
     for label in results:
         parts = label.split()
-        if len(parts) not in (5, 6, 7, 8, 9, 10) or parts[3] != "every":
+        if len(parts) not in (5, 6, 7, 8, 9, 10, 11) or parts[3] != "every":
             continue
+        if parts[-1] == "ranks":
+            parts = parts[:-1]
         if parts[-2] == "margin":
             parts = parts[:-2]
         overlap = {"beside": True, "before": False}.get(parts[-1])
