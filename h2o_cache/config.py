@@ -151,12 +151,8 @@ class CacheConfig:
                 raise ValueError(f"recall needs an evicting policy with position rolling, not {self.policy!r}{rolling}")
             if self.recall_block < 1 or self.recall_budget % self.recall_block:
                 raise ValueError(f"recall_budget ({self.recall_budget}) must be a multiple of recall_block ({self.recall_block})")
-            if self.recall_digest not in DIGESTS:
-                choices = " or ".join(repr(digest) for digest in DIGESTS)
-                raise ValueError(f"recall_digest must be {choices}, got {self.recall_digest!r}")
-            if self.recall_positions not in POSITIONS:
-                choices = " or ".join(repr(scheme) for scheme in POSITIONS)
-                raise ValueError(f"recall_positions must be {choices}, got {self.recall_positions!r}")
+            _one_of("recall_digest", self.recall_digest, DIGESTS)
+            _one_of("recall_positions", self.recall_positions, POSITIONS)
             if self.recall_archive < self.recall_budget:
                 raise ValueError(f"recall_archive ({self.recall_archive}) must hold at least recall_budget ({self.recall_budget})")
             if self.recall_probe < 1:
@@ -253,6 +249,12 @@ class CacheConfig:
             f"{self.policy}(budget={self.budget}, heavy={self.heavy}, recent={self.recent}, "
             f"sinks={self.sinks}, slack={self.slack}, {rolling}{recall})"
         )
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Refuse a field's value outside its choices, naming them: "x must be 'a' or 'b', got 'c'"."""
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(choice) for choice in choices)}, got {value!r}")
 
 
 __all__ = ["CacheConfig", "POLICIES"]

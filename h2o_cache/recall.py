@@ -380,9 +380,18 @@ def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch
     keys = keys.clone()
     for row in rows:
         n = cache.lengths[row] + step.n_new[row]
-        cos, sin = cache.spec.rope.at(held_ranks(cache._origins[layer, row, :, :n]))
-        keys[row, :, :n] = rotate(cache._keys[layer, row, :, :n].float(), cos, sin).to(keys.dtype)
+        _rotate_to_ranks(cache, keys[row, :, :n], cache._keys[layer, row, :, :n], cache._origins[layer, row, :, :n])
     return keys
+
+
+def _rotate_to_ranks(cache: H2OCache, out: torch.Tensor, keys: torch.Tensor, origins: torch.Tensor) -> None:
+    """out[..., n, D] = `keys` (unrotated) rotated to the `held_ranks` of `origins` [..., n], from the
+    cache's RoPE table (ranks are whole positions), without full-size temporaries (`rotate_into`)."""
+    cos, sin = cache.spec.rope.get(origins.shape[-1])
+    ranks = held_ranks(origins)
+    half = cos.shape[-1] // 2  # transformers' layout: cos and sin repeat one half (`rotate_into`)
+    at, shape = ranks.flatten(), (*ranks.shape, half)
+    rotate_into(out, keys, cos[:, :half].index_select(0, at).view(shape), sin[:, :half].index_select(0, at).view(shape))
 
 
 @torch.no_grad()
@@ -395,14 +404,8 @@ def rank_layout(cache: H2OCache, rows: list[int]) -> None:
         n, r = cache.lengths[row], cache.recalled[row]
         if not 0 < r < n:
             continue
-        cos, sin = cache.spec.rope.get(n)
-        ranks = held_ranks(cache._origins[:, row, :, :n])  # [L, H, n]
-        half = cos.shape[-1] // 2  # transformers' layout: cos and sin repeat one half (`rotate_into`)
-        at = ranks.flatten()
-        shape = (*ranks.shape, half)
         target = cache._rotated[:, row, :, :n]
-        rotate_into(target, cache._keys[:, row, :, :n], cos[:, :half].index_select(0, at).view(shape),
-                    sin[:, :half].index_select(0, at).view(shape))
+        _rotate_to_ranks(cache, target, cache._keys[:, row, :, :n], cache._origins[:, row, :, :n])
         target[..., :r, :] = stored(target[..., :r, :], target.dtype)
         cache.ranked[row] = True
         cache.window_changed(row)

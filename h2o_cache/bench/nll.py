@@ -44,9 +44,9 @@ import torch
 
 from h2o_cache import CacheConfig, Generator, H2OCache
 from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
-from h2o_cache.config import POSITIONS
 from h2o_cache.bench.stats import ratio_of_sums_difference
 from h2o_cache.bench.xsum import INSTRUCTION
+from h2o_cache.config import POSITIONS
 
 FULL_CHUNK = 512
 
