@@ -103,7 +103,6 @@ class H2OCache:
         self.due: list[int] = []  # 0, or the choice due: INTERVAL, BURST, FIRST (the reply's first)
         self._choice_turn = 0  # with recall_choices: the row the next capped choice starts from
         self.decoded: list[int] = []  # decode passes since the row's last prefill chunk (with recall)
-        self.ranked: list[bool] = []  # the row's held keys are rotated to their ranks (`recall.rank_layout`)
         self.ahead: list[torch.Tensor | None] = []  # the queries of the row's last prefill chunk (with recall)
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
@@ -131,7 +130,6 @@ class H2OCache:
         self.recall_count += [0] * n
         self.due += [0] * n
         self.decoded += [0] * n
-        self.ranked += [False] * n
         self.ahead += [None] * n
 
     def extend(self, other: H2OCache, move: bool = False) -> None:
@@ -157,7 +155,6 @@ class H2OCache:
         self.recall_count += other.recall_count
         self.due += other.due
         self.decoded += other.decoded
-        self.ranked += other.ranked
         self.ahead += other.ahead  # never written in place: a pass gives its rows new tensors
 
     def pop(self, row: int) -> H2OCache:
@@ -170,10 +167,9 @@ class H2OCache:
         single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
         single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
         single.due, single.decoded, single.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
-        single.ranked = [self.ranked[row]]
         last = self.batch_size - 1
         per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows,
-                   self.recall_count, self.due, self.decoded, self.ranked, self.ahead)
+                   self.recall_count, self.due, self.decoded, self.ahead)
         if row != last:
             self._copy_row(row, self, last, self.lengths[last])
             for rows in per_row:
@@ -361,9 +357,6 @@ class H2OCache:
             recall.refresh(self, self._queries if queries is None else queries, self.spec.scaling, due, done=chose,
                            few=few)
         finally:
-            if self.config.recall_positions == "rank":  # ranks while a reply answers about its prompt
-                recall.rank_layout(self, [row for row in chose if row not in few])
-                recall.text_layout(self, [row for row in chose if row in few and self.ranked[row]])
             for row in chose:
                 self.due[row] = 0
 

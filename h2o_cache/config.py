@@ -84,10 +84,9 @@ class CacheConfig:
         (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
     recall_positions: where a row's held keys stand for RoPE (`POSITIONS`): "text" (the default
         layout) or "rank", every held key at its rank in the order of the text, so that a recalled
-        phrase keeps one position per word, in every prefill pass (`recall.rank_rotated`) and through
-        a reply's burst (`recall.rank_layout`; the text layout after it). Measured (RESULTS.md,
-        "Positions"): a code said once at depth 85% of a ~4k-token message 28/42 against 13/42, other
-        depths a tie, a listing that outruns the burst 0.8 against 1.0: not the default.
+        phrase keeps one position per word, in every pass of a row with a window, rotated from the
+        keys as fed as the pass reads them (`recall.rank_rotated`, the native step, `decode_step`);
+        the buffers keep the text layout. Measured in RESULTS.md, "Positions".
     """
 
     policy: str = "h2o"

@@ -125,6 +125,21 @@ def attention_logits(q: torch.Tensor, keys_t: torch.Tensor, mask: torch.Tensor, 
     return torch.baddbmm(mask, q.float(), keys_t.float(), alpha=scaling)
 
 
+def ranked_keys(fed: torch.Tensor, origins: torch.Tensor, visible: torch.Tensor, cos_table: torch.Tensor,
+                sin_table: torch.Tensor) -> torch.Tensor:
+    """fed [B, H_kv, capacity, D] (keys before RoPE) rotated to their `recall.held_ranks` among the
+    visible slots of their row (visible [B, capacity]; origins [B, H_kv, capacity]); slots past them rank
+    after every held one and are masked anyway. Fixed shapes, no host reads: a sort per head."""
+    held = origins.masked_fill(~visible[:, None], torch.iinfo(origins.dtype).max)
+    order = held.argsort(dim=-1, stable=True)
+    count = torch.arange(held.shape[-1], device=held.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(-1, order, count)
+    d = fed.shape[-1]
+    cos, sin = cos_table[ranks], sin_table[ranks]  # [B, H_kv, capacity, D]
+    signed_sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
+    return rotate(fed.float(), cos, signed_sin)
+
+
 @torch.no_grad()
 def decode_step(
     w: DecoderWeights,
@@ -136,12 +151,16 @@ def decode_step(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     queries: torch.Tensor | None = None,
+    ranked: bool = False,
 ) -> torch.Tensor:
     """Feed tokens[b] to row b at slot slots[b], RoPE position positions[b]; rows are 0..B-1.
 
     tokens, slots, positions, origins: [B] int64 on the model's device; origins[b] is the token's
     index in row b's sequence. cos_table, sin_table: [P, D] fp32. queries: None, or [L, >= B, H_q, D]
     where each layer's queries before RoPE are left (what chooses a recall window, `h2o_cache.recall`).
+    ranked: every held key is read at its rank in the order of the text among its row's held tokens
+    (`recall_positions` "rank", `recall.held_ranks`), rotated from the keys as fed (rolling only;
+    a row without a recall window reads its slots, as before, and positions[b] must be slots[b]).
     Returns fp32 logits [B, V]. Writes each row's new key/value and origin (and zeroes its score) at
     its slot, and adds each key's softmax weight, summed over the KV head's query group, to its score.
     """
@@ -172,9 +191,11 @@ def decode_step(
         keys, values = cache.keys[layer, :b], cache.values[layer, :b]  # [B, H_kv, capacity, D]
         if cache.rotated is not None:
             keys.scatter_(2, write, k[:, :, None])
-            keys = cache.rotated[layer, :b]
+            fed, keys = keys, cache.rotated[layer, :b]
         keys.scatter_(2, write, qk[:, h_q:, None])
         values.scatter_(2, write, v[:, :, None])
+        if ranked and cache.rotated is not None:
+            keys = ranked_keys(fed, cache.origins[layer, :b], visible, cos_table, sin_table).to(keys.dtype)
 
         # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
         q = qk[:, :h_q].reshape(b * h_kv, group, d)

@@ -192,7 +192,7 @@ class StepLayout(ctypes.Structure):
                 + [("queries", ctypes.c_void_p), ("query_layer_stride", ctypes.c_int64), ("activations", ctypes.c_int64)]
                 + [("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p)]
                 + [(name, ctypes.c_int64) for name in ("window_layer_stride", "window_row_stride", "window_capacity")]
-                + [("recalled", ctypes.c_void_p)])
+                + [("recalled", ctypes.c_void_p), ("ranked", ctypes.c_void_p)])
 
 
 class NativeStep:
@@ -216,6 +216,7 @@ class NativeStep:
         self._keep = (weights, buffers, cos, sin, queries, window)  # the kernel reads these through raw pointers
         self.window = window
         self.recalled = torch.zeros(max_rows, dtype=torch.int64)
+        self.ranked = torch.zeros(max_rows, dtype=torch.int64)
         layers = weights.layers
         products = {id(m): m.product_blocks(activations) for lw in layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)}
         head_kind, head_blocks = weights.lm_head.product_blocks(activations)
@@ -249,7 +250,8 @@ class NativeStep:
             window_values=None if window is None else window[1].data_ptr(),
             window_layer_stride=0 if window is None else window.stride(1),
             window_row_stride=0 if window is None else window.stride(2),
-            window_capacity=0 if window is None else window.shape[4], recalled=self.recalled.data_ptr())
+            window_capacity=0 if window is None else window.shape[4], recalled=self.recalled.data_ptr(),
+            ranked=self.ranked.data_ptr())
         self.logits = torch.empty(max_rows, self.layout.vocab)
 
     @staticmethod
@@ -270,13 +272,18 @@ class NativeStep:
                 and weights.embed.shape[1] % BLOCK == 0 and weights.layers[0].down.in_features % BLOCK == 0)
 
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor,
-                 recalled: list[int] | None = None) -> torch.Tensor:
+                 recalled: list[int] | None = None, ranked: list[int] | None = None) -> torch.Tensor:
         """Logits [B, V] (a view of a buffer the next call overwrites) for int64 CPU tensors [B];
-        recalled: each row's window slots, read from the window's copy (with `window`; else none)."""
+        recalled: each row's window slots, read from the window's copy (with `window`; else none);
+        ranked: each row's window slots where every held key is read at its rank in the order of the
+        text (`recall_positions` "rank": rotated from the keys as fed, not from the copy; else none)."""
         b = tokens.shape[0]
         self.recalled[:b] = 0
+        self.ranked[:b] = 0
         if self.window is not None and recalled:
             self.recalled[:len(recalled)] = torch.tensor(recalled, dtype=torch.int64)
+        if ranked:
+            self.ranked[:len(ranked)] = torch.tensor(ranked, dtype=torch.int64)
         self.layout.threads = torch.get_num_threads()
         status = kernel().h2o_decode_step(ctypes.byref(self.layout), tokens.data_ptr(), slots.data_ptr(),
                                           origins.data_ptr(), b, self.logits.data_ptr())

@@ -28,6 +28,10 @@ So RoPE never sees a position past the row's length, and the model reads the hel
 of the text: rotated to the window's slots 0..r-1, before every own token, a listing of three facts
 of a 2k prompt came back 3/10, placed 9/10 (the full cache 10/10). An eviction moves the own tokens,
 so it places the window again.
+With `recall_positions` "rank" the buffers keep this layout, and every pass of a row with a window
+reads its held keys rotated from the keys as fed to their ranks in the order of the text instead
+(`held_ranks`: the transformers path's copy `rank_rotated`, `decode.ranked_keys`, the native step's
+own rotation), so a phrase recalled whole keeps one position a word.
 The window grows (up to R) as the archive gains blocks; growing shifts the row's tokens right and
 re-rotates them, which happens only during the first evictions of a row (R / evict_slack of them).
 """
@@ -62,7 +66,8 @@ def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class WindowCopy:
-    """An fp16 copy of every row's recall window ([2, L, rows, H_kv, R, D]: rotated keys, values), for
+    """An fp16 copy of every row's recall window ([2, L, rows, H_kv, R, D]: rotated keys, or with
+    `recall_positions` "rank" the keys as fed; values), for
     the CPU's native decode step, which reads it instead of the fp32 window slots: the window's 128
     slots are a third of what a step reads of the cache, and at batch 8 about half of what they cost
     is reading them (`static.WINDOW_COPY_MIN_ROWS`: below 4 rows reading fp32 is faster). The copy
@@ -83,8 +88,9 @@ class WindowCopy:
         """The copy, every row's window copied again where it changed since."""
         for row in sorted(self.stale):
             r = cache.recalled[row] if row < cache.batch_size else 0
-            if r:
-                self.data[0, :, row, :, :r] = cache._rotated[:, row, :, :r]
+            if r:  # with ranks the keys as fed, which the step rotates to their ranks itself
+                keys = cache._keys if cache.config.recall_positions == "rank" else cache._rotated
+                self.data[0, :, row, :, :r] = keys[:, row, :, :r]
                 self.data[1, :, row, :, :r] = cache._values[:, row, :, :r]
         self.stale.clear()
         return self.data
@@ -337,11 +343,6 @@ def place(cache: H2OCache, rows: list[int]) -> None:
     rows = [row for row in rows if 0 < cache.recalled[row] < cache.lengths[row]]
     if not rows:
         return
-    if cache.config.recall_positions == "rank" and any(cache.ranked[row] for row in rows):
-        rank_layout(cache, [row for row in rows if cache.ranked[row]])  # stays so until the burst is over
-        rows = [row for row in rows if not cache.ranked[row]]
-        if not rows:
-            return
     if native_recall.supports(cache):  # which rewrites the keys of the windows' copy too
         native_recall.place(cache, rows)
         return
@@ -370,11 +371,12 @@ def held_ranks(origins: torch.Tensor) -> torch.Tensor:
 
 
 def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch.Tensor:
-    """`keys` ([B, H_kv, K, D], this pass's visible keys) with the held keys of each row that takes a
-    prefill chunk and has a window rotated to their `held_ranks` (a copy: the buffers keep their
-    layout); other rows as they were (a decoding row's buffers hold the layout `rank_layout` or
-    `text_layout` wrote). The chunk's new tokens are the row's newest, at their slots either way."""
-    rows = [row for row in range(keys.shape[0]) if cache.recalled[row] and step.n_new[row] > 1]
+    """`keys` ([B, H_kv, K, D], this pass's visible keys) with the held keys of each row that is fed and
+    has a window rotated to their `held_ranks`, from the keys as fed (a copy: the buffers keep the text
+    layout); other rows as they were (without a window a row's ranks are its slots). The pass's new
+    tokens are the row's newest, at their slots either way, as a decode step's query is. The native
+    decode step and `decode.decode_step` read the same ranks (`recall_positions` "rank")."""
+    rows = [row for row in range(keys.shape[0]) if cache.recalled[row] and step.n_new[row]]
     if not rows:
         return keys
     keys = keys.clone()
@@ -392,36 +394,6 @@ def _rotate_to_ranks(cache: H2OCache, out: torch.Tensor, keys: torch.Tensor, ori
     half = cos.shape[-1] // 2  # transformers' layout: cos and sin repeat one half (`rotate_into`)
     at, shape = ranks.flatten(), (*ranks.shape, half)
     rotate_into(out, keys, cos[:, :half].index_select(0, at).view(shape), sin[:, :half].index_select(0, at).view(shape))
-
-
-@torch.no_grad()
-def rank_layout(cache: H2OCache, rows: list[int]) -> None:
-    """recall_positions "rank", after a choice of a reply's burst or an eviction of a row so laid out:
-    rotate every held key of each row (window and own) to its rank in the order of the text
-    (`held_ranks`), window keys as a window holds them (`stored`), so that the next decode pass, on
-    either path, reads them there; its copy is refreshed before the step (`window_changed`)."""
-    for row in rows:
-        n, r = cache.lengths[row], cache.recalled[row]
-        if not 0 < r < n:
-            continue
-        target = cache._rotated[:, row, :, :n]
-        _rotate_to_ranks(cache, target, cache._keys[:, row, :, :n], cache._origins[:, row, :, :n])
-        target[..., :r, :] = stored(target[..., :r, :], target.dtype)
-        cache.ranked[row] = True
-        cache.window_changed(row)
-
-
-@torch.no_grad()
-def text_layout(cache: H2OCache, rows: list[int]) -> None:
-    """Back from `rank_layout` once a reply's burst is over: own keys at their slots (position rolling),
-    the window placed between them (`place`)."""
-    rows = [row for row in rows if 0 < cache.recalled[row] < cache.lengths[row]]
-    for row in rows:
-        n, r = cache.lengths[row], cache.recalled[row]
-        cos, sin = cache.spec.rope.get(n)
-        rotate_into(cache._rotated[:, row, :, r:n], cache._keys[:, row, :, r:n], cos[r:n], sin[r:n])
-        cache.ranked[row] = False
-    place(cache, rows)
 
 
 def text_positions(recalled: torch.Tensor, own: torch.Tensor, first: int) -> torch.Tensor:

@@ -231,12 +231,13 @@ class StaticDecoder:
             copy = self.native.window is not None and bucket >= WINDOW_COPY_MIN_ROWS
             if copy and self.cache.window_copy() is not self.native.window:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
-            return self.native(tokens, slots, origins, self.cache.recalled if copy else None)
+            ranked = self.cache.recalled if self.cache.config.recall_positions == "rank" else None
+            return self.native(tokens, slots, origins, self.cache.recalled if copy else None, ranked=ranked)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
         return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin,
-                           self.queries)
+                           self.queries, self.cache.config.recall_positions == "rank")
 
     def _capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the

@@ -102,9 +102,8 @@ class ServerSettings(BaseSettings):
                             "-/+ mean deviation (ArkVale); minmax, their min and max (Quest)")
     recall_positions: Literal["text", "rank"] = Field(
         "text", description="where RoPE reads the held keys of a conversation with a recall window: text, "
-                            "own keys at their slots and recalled ones between them; rank, while a reply's "
-                            "first --recall-burst steps and its prompt answer, every held key at its rank "
-                            "in the text (a recalled phrase one position a word)")
+                            "own keys at their slots and recalled ones between them; rank, every held key at "
+                            "its rank in the text, in every pass (a recalled phrase one position a word)")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")

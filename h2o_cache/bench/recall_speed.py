@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--torch-choice", action="store_true",
                         help="also time each interval with a decode step's choice on the torch ops (recall_kernel=False)")
     parser.add_argument("--ranks", action="store_true",
-                        help="also time the prefill with recall_positions='rank' (held keys read at their ranks "
-                             "in the text; decode steps after a reply's burst are as without it)")
+                        help="also time each interval and the prefill with recall_positions='rank' (every held key "
+                             "read at its rank in the text)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
             configs[f"on, every {k}, choices before the step"] = replace(configs[f"on, every {k}"], recall_overlap=False)
         if args.torch_choice:
             configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
+        if args.ranks:
+            configs[f"on, every {k}, ranks"] = replace(configs[f"on, every {k}"], recall_positions="rank")
     if args.breakdown:
         configs["on, never choosing"] = CacheConfig(budget=args.budget, recall_budget=args.recall,
                                                     recall_interval=1 << 30, recall_burst=0)

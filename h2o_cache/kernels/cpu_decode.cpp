@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "vector_math.h"
@@ -243,6 +244,11 @@ struct Layout {
     const uint16_t* window_values;
     int64_t window_layer_stride, window_row_stride, window_capacity;
     const int64_t* recalled;           // [B]: row b's window slots
+    // May be null: else [B], row b's window slots when every held key is read at its rank in the order
+    // of the text (`recall_positions` "rank"): row b's keys as fed (`keys`, `rotated` set) rotated to
+    // their ranks among its held tokens (`held_ranks`), the window's from its copy where `recalled`
+    // says so (which then holds them as fed); rows of 0 read `rotated` (their ranks are their slots).
+    const int64_t* ranked;
 };
 
 // transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n: a multiple of 8.
@@ -289,6 +295,19 @@ inline void softmax(float* p, int64_t n) {
 // 8 fp32 values from fp32 or (widened exactly) fp16 storage.
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load8(const uint16_t* x) { return load8_fp16(x); }
+
+// `rope` in AVX2 from fp32 or (widened exactly) fp16 keys, for d a multiple of 16.
+template <typename T>
+inline void rope8(const T* x, const float* cos, const float* sin, float* out, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i += 8) {
+        const __m256 lo = load8(x + i), hi = load8(x + i + half);
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + i)),
+                                                _mm256_mul_ps(hi, _mm256_loadu_ps(sin + i))));
+        _mm256_storeu_ps(out + i + half, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + i + half)),
+                                                       _mm256_mul_ps(lo, _mm256_loadu_ps(sin + i + half))));
+    }
+}
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
@@ -369,23 +388,25 @@ inline void group_weighted_sum(const float* p, int64_t stride, const uint16_t* w
 }
 
 // A KV head's attention for its query group (q: G rows of d, rotated): p (G rows, stride apart) takes
-// the softmax weights over slots 0..n-1 (those below r read from `window`, the others from the cache's
-// `keys` and `values`, slot 0 first), out the G outputs. Up to three queries share a pass over the keys.
-inline void group_attention(const float* q, int64_t G, const uint16_t* window_keys, const uint16_t* window_values, int64_t r,
-                            const float* keys, const float* values, int64_t n, int64_t d, float scale, float* p,
-                            int64_t stride, float* out) {
+// the softmax weights over slots 0..n-1 (keys below `split` read from `front`, fp16 or fp32, values
+// below r from the window's fp16 copy `window_values`, the others from the cache's `keys` and
+// `values`, slot 0 first), out the G outputs. Up to three queries share a pass over the keys.
+template <typename F>
+inline void group_attention(const float* q, int64_t G, const F* front, int64_t split, const uint16_t* window_values,
+                            int64_t r, const float* keys, const float* values, int64_t n, int64_t d, float scale,
+                            float* p, int64_t stride, float* out) {
     for (int64_t g = 0; g < G; g += 3) {
         const int64_t m = G - g < 3 ? G - g : 3;
         const float* qg = q + g * d;
         float* pg = p + g * stride;
         float* og = out + g * d;
         switch (m) {
-            case 3: group_logits<3>(qg, window_keys, 0, r, d, scale, pg, stride);
-                    group_logits<3>(qg, keys, r, n, d, scale, pg, stride); break;
-            case 2: group_logits<2>(qg, window_keys, 0, r, d, scale, pg, stride);
-                    group_logits<2>(qg, keys, r, n, d, scale, pg, stride); break;
-            default: group_logits<1>(qg, window_keys, 0, r, d, scale, pg, stride);
-                     group_logits<1>(qg, keys, r, n, d, scale, pg, stride);
+            case 3: group_logits<3>(qg, front, 0, split, d, scale, pg, stride);
+                    group_logits<3>(qg, keys, split, n, d, scale, pg, stride); break;
+            case 2: group_logits<2>(qg, front, 0, split, d, scale, pg, stride);
+                    group_logits<2>(qg, keys, split, n, d, scale, pg, stride); break;
+            default: group_logits<1>(qg, front, 0, split, d, scale, pg, stride);
+                     group_logits<1>(qg, keys, split, n, d, scale, pg, stride);
         }
         for (int64_t j = 0; j < m; ++j) softmax(pg + j * stride, n);
         switch (m) {
@@ -396,6 +417,21 @@ inline void group_attention(const float* q, int64_t G, const uint16_t* window_ke
     }
 }
 
+// Each held slot's rank in the order of the text among slots 0..n-1 (`recall.held_ranks`): the
+// window's r slots in any order, the own slots r..n-1 ascending (as eviction keeps them), so one
+// sort of the window's origins (each packed above its slot: origins < 2^47) and a merge. order:
+// scratch of r.
+inline void held_ranks(const int64_t* origins, int64_t r, int64_t n, std::vector<int64_t>& order, int32_t* ranks) {
+    if (static_cast<int64_t>(order.size()) < r) order.resize(r);
+    for (int64_t j = 0; j < r; ++j) order[j] = (origins[j] << 16) | j;
+    std::sort(order.begin(), order.begin() + r);
+    int64_t i = 0, j = r, k = 0;
+    while (i < r && j < n)
+        ranks[(order[i] >> 16) <= origins[j] ? order[i++] & 0xffff : j++] = static_cast<int32_t>(k++);
+    while (i < r) ranks[order[i++] & 0xffff] = static_cast<int32_t>(k++);
+    while (j < n) ranks[j++] = static_cast<int32_t>(k++);
+}
+
 // One layer's attention for B rows: qkv [B, (H + 2 H_kv) D] -> out [B, H D], and the cache writes.
 void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slots, int64_t B, float* out) {
     const int64_t H = s.heads, Hkv = s.kv_heads, D = s.head_dim, G = H / Hkv, cap = s.capacity;
@@ -404,6 +440,10 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
         std::vector<float> q(G * D), probs(G * padded);
+        // with ranks: scratch kept by each thread from call to call (resizing zeroes what it adds)
+        static thread_local std::vector<float> ranked_keys;
+        static thread_local std::vector<int64_t> order;
+        static thread_local std::vector<int32_t> ranks;
         // tasks are handed out one at a time: a row's cost grows with its slots, and rows differ
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < B * Hkv; ++task) {
@@ -412,7 +452,7 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
             const float* sin = s.sin + slot * D;
             const float* x = qkv + b * width;
             const int64_t at = layer * s.kv_layer_stride + b * s.kv_row_stride + h * cap * D;
-            float* keys = (s.rotated ? s.rotated : s.keys) + at;
+            float* keys = (s.rotated ? s.rotated : s.keys) + at;  // written: the new key rotated to its slot
             const float* values = s.values + at;
             if (s.rotated) memcpy(s.keys + at + slot * D, x + (H + h) * D, D * sizeof(float));
             rope(x + (H + h) * D, cos, sin, keys + slot * D, D);
@@ -426,8 +466,29 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
             const uint16_t* window_keys = r ? s.window_keys + at16 : nullptr;
             const uint16_t* window_values = r ? s.window_values + at16 : nullptr;
             for (int64_t g = 0; g < G; ++g) rope(x + (h * G + g) * D, cos, sin, q.data() + g * D, D);
-            group_attention(q.data(), G, window_keys, window_values, r, keys, values, n, D, scaling, probs.data(),
-                            padded, out + b * H * D + h * G * D);
+            const int64_t held = s.ranked && s.rotated ? s.ranked[b] : 0;  // window slots: keys read at their ranks
+            if (held > 0 && held < n) {
+                // every held key as fed (the copy's too) rotated to its rank, but the own keys newer than
+                // every window key: their ranks are their slots, where `rotated` holds them
+                const int64_t* row_origins = s.origins + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
+                if (static_cast<int64_t>(ranks.size()) < n) ranks.resize(n);
+                if (static_cast<int64_t>(ranked_keys.size()) < n * D) ranked_keys.resize(n * D);
+                held_ranks(row_origins, held, n, order, ranks.data());
+                int64_t split = n;
+                while (split > held && ranks[split - 1] == split - 1) --split;
+                const float* fed = s.keys + at;
+                for (int64_t t = 0; t < split; ++t) {
+                    const float* c = s.cos + ranks[t] * D;
+                    const float* si = s.sin + ranks[t] * D;
+                    if (t < r) rope8(window_keys + t * D, c, si, ranked_keys.data() + t * D, D);
+                    else rope8(fed + t * D, c, si, ranked_keys.data() + t * D, D);
+                }
+                group_attention(q.data(), G, ranked_keys.data(), split, window_values, r, keys, values, n, D, scaling,
+                                probs.data(), padded, out + b * H * D + h * G * D);
+            } else {
+                group_attention(q.data(), G, window_keys, r, window_values, r, keys, values, n, D, scaling, probs.data(),
+                                padded, out + b * H * D + h * G * D);
+            }
             if (s.scores) {
                 float* scores = s.scores + layer * s.score_layer_stride + b * s.score_row_stride + h * cap;
                 scores[slot] = 0.0f;
@@ -558,6 +619,7 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
         if (slots[b] < 0 || slots[b] >= s.capacity || slots[b] >= s.positions) return 4;
         if (s.window_keys && (s.recalled[b] < 0 || s.recalled[b] > s.window_capacity || s.recalled[b] > slots[b]))
             return 7;
+        if (s.ranked && (s.ranked[b] < 0 || s.ranked[b] > slots[b] || s.ranked[b] > 0xffff)) return 7;
     }
     const int threads = static_cast<int>(s.threads);
     const float eps = static_cast<float>(s.eps);
@@ -612,7 +674,8 @@ int h2o_has_vnni() { return has_vnni(); }
 // One decode step of B rows (see Layout): feeds tokens[b] to row b at slot slots[b] (also its RoPE
 // position), writing origins[b] as that slot's origin; logits: [B, vocab]. Returns 0, or nonzero
 // (nothing meaningful written) for shapes it cannot run, a token outside the vocabulary (3) or a
-// slot outside the cache (4) or a recall window that does not fit its copy or its row (7).
+// slot outside the cache (4) or a recall window that does not fit its copy or its row (7, also for
+// `ranked`).
 int h2o_decode_step(const Layout* layout, const int64_t* tokens, const int64_t* slots, const int64_t* origins,
                     int64_t B, float* logits) {
     return decode_step(*layout, tokens, slots, origins, B, logits);

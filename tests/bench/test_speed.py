@@ -51,6 +51,19 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
     assert "Archive after the history: 90 tokens per layer/head" in out
 
 
+def test_recall_speed_ranks_times_the_steps_and_the_prefill_with_every_held_key_at_its_rank(tmp_path, capsys):
+    from h2o_cache.bench import random_model, recall_speed
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
+                       "--turn", "8", "--batch-sizes", "1", "--reps", "2", "--steps", "4", "--prompt", "60",
+                       "--intervals", "1", "--prefill-reps", "1", "--ranks"])
+    rows = [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| decode step", "| prefill"))]
+    assert "| decode step, batch 1, on, every 1, ranks" in rows
+    assert "| prefill of a 60-token prompt in chunks of 16, held keys read at their ranks (recall_positions='rank')" in rows
+
+
 def test_recall_speed_breakdown_times_the_window_without_choices_and_as_many_slots_without_recall(tmp_path, capsys):
     from h2o_cache.bench import random_model, recall_speed
 

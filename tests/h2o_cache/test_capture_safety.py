@@ -26,10 +26,12 @@ def test_the_mode_catches_what_it_must():
     assert len(mode.forbidden) == 4
 
 
-@pytest.fixture(scope="module")
-def recalling_decoder():
+@pytest.fixture(scope="module", params=["text", "rank"])
+def recalling_decoder(request):
+    """Rows with windows; with "rank" the step reads every held key at its rank (a sort per head)."""
     model = tiny_llama(init_std=0.3)
-    config = CacheConfig(budget=24, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4, recall_archive=256)
+    config = CacheConfig(budget=24, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4, recall_archive=256,
+                         recall_positions=request.param)
     gen = Generator(model, ByteTokenizer(), config)
     decoder = StaticDecoder(model, config, max_rows=8, quantized=False, native=False)
     for n in (90, 60, 33, 10, 75):  # most rows have archived blocks and an open window; one has none

@@ -115,17 +115,20 @@ def test_recall_on_cuda_archives_in_pinned_memory_and_recalls_what_the_cpu_does(
     assert torch.equal(gpu.buffers().origins[:, 0, :, :n].cpu(), cpu.buffers().origins[:, 0, :, :n])
 
 
-def decode_choices(device: str, tokenizer, kernel: bool, steps: int = 12, voters: int = 0, overlap: bool = False):
+def decode_choices(device: str, tokenizer, kernel: bool, steps: int = 12, voters: int = 0, overlap: bool = False,
+                   positions: str = "text"):
     """(windows, logits) of two rows decoded on the fast path with recall on `device`: a choice due at
     every step, at most one row choosing per step (as the server sets on CUDA), fed fixed tokens; kernel:
     the C++ kernel makes the choices (on CUDA it chooses and the torch ops fill the window); voters: after a
     burst of 2, the choices pool the votes of that many of a 4-layer model's layers; overlap: the choices
-    after a reply's first run beside the step (`recall_overlap`, forced on the CPU too)."""
+    after a reply's first run beside the step (`recall_overlap`, forced on the CPU too); positions:
+    `recall_positions` (with "rank" the CUDA step sorts each head's origins itself)."""
     from h2o_cache import StaticDecoder
 
     config = CacheConfig(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8, recall_budget=16, recall_block=4,
                          recall_probe=6, recall_interval=1, recall_choices=1, recall_kernel=kernel,
-                         recall_voters=voters, recall_burst=2 if voters else 16, recall_overlap=overlap)
+                         recall_voters=voters, recall_burst=2 if voters else 16, recall_overlap=overlap,
+                         recall_positions=positions)
     model = tiny_llama(init_std=0.3, layers=4 if voters else 2).to(device)
     gen = Generator(model, tokenizer, config)
     decoder = StaticDecoder(model, config, max_rows=2)
@@ -154,3 +157,12 @@ def test_decode_time_choices_on_cuda_match_the_cpu(byte_tokenizer, kernel, voter
     assert all(torch.equal(a, b) for a, b in zip(cpu[0], gpu[0]))
     torch.testing.assert_close(gpu[1], cpu[1], rtol=1e-3, atol=1e-3)
     assert gpu[2] == cpu[2] and min(cpu[2]) > 0
+
+
+def test_decode_time_choices_on_cuda_match_the_cpu_with_every_held_key_at_its_rank(byte_tokenizer):
+    """`recall_positions` "rank": the CUDA graph's step rotates the keys to their ranks itself
+    (`decode.ranked_keys`) and reads what the CPU's step reads."""
+    cpu = decode_choices("cpu", byte_tokenizer, True, positions="rank")
+    gpu = decode_choices("cuda", byte_tokenizer, True, positions="rank")
+    assert all(torch.equal(a, b) for a, b in zip(cpu[0], gpu[0]))
+    torch.testing.assert_close(gpu[1], cpu[1], rtol=1e-3, atol=1e-3)

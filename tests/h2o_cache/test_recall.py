@@ -84,14 +84,8 @@ def assert_window_holds_archive_tokens(model, cache, row: int) -> None:
     state = row_state(cache, row)
     assert torch.equal(state["pinned"], (torch.arange(n) < r).expand_as(state["pinned"]))
     cos, sin = rope(model, n)
-    if cache.ranked[row]:  # recall_positions "rank" during a reply's burst: every held key at its rank
-        ranks = recall.held_ranks(state["origins"])
-        expected = rotate(state["keys"], cos[ranks], sin[ranks])
-        torch.testing.assert_close(state["rotated"][:, :, r:], expected[:, :, r:], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(state["rotated"][:, :, :r], expected[:, :, :r], rtol=2 ** -10, atol=5e-5)
-    else:
-        torch.testing.assert_close(state["rotated"][:, :, r:], rotate(state["keys"], cos, sin)[:, :, r:], rtol=1e-5, atol=1e-5)
-    if r and not cache.ranked[row]:
+    torch.testing.assert_close(state["rotated"][:, :, r:], rotate(state["keys"], cos, sin)[:, :, r:], rtol=1e-5, atol=1e-5)
+    if r:
         placed = text_order_positions(state["origins"], r)
         x = torch.zeros(1, 1, state["keys"].shape[-1])
         cos, sin = (t[0].view(*placed.shape, -1) for t in model.model.rotary_emb(x, placed.reshape(1, -1).float()))
@@ -396,8 +390,9 @@ def q_projections(model):
 def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_same_windows(peaked_model, positions):
     """With recall_interval=1, each step of either path attends with the window the previous step's
     queries chose: same logits, same windows, same tokens; the fast step's kept queries are its q
-    projections (before RoPE), as the transformers path's are. With ranks (`recall_positions`), the
-    burst's steps read every held key at its rank, the steps after it the text layout, on both paths."""
+    projections (before RoPE), as the transformers path's are. With ranks (`recall_positions`), every
+    step of both paths reads every held key at its rank (`decode.ranked_keys`, `recall.rank_rotated`),
+    across the burst and after it, and the buffers keep the text layout."""
     config = recall_config(recall_positions=positions, recall_burst=12)
     gen = Generator(peaked_model, ByteTokenizer(), config)
     decoder = StaticDecoder(peaked_model, config, max_rows=2)
@@ -405,7 +400,7 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
     recalling_rows(gen, (30, 31), [decoder])
     eager.extend(decoder.cache)
     d = peaked_model.config.hidden_size // peaked_model.config.num_attention_heads
-    changes, layouts = 0, []
+    changes = 0
     for _ in range(30):  # both rows cross the budget with their windows
         before = [w[1].clone() for w in decoder.cache.windows]
         captured, hooks = q_projections(peaked_model)
@@ -435,11 +430,7 @@ def test_the_fast_step_and_the_transformers_path_decode_alike_and_choose_the_sam
             assert_nothing_lost_or_held_twice(decoder.cache, row)
         tokens = [[t] for t in expected.argmax(-1).tolist()]
         decoder.cache.pending, eager.pending = tokens, [list(t) for t in tokens]
-        layouts.append((tuple(decoder.cache.ranked), tuple(eager.ranked)))
     assert changes > 0  # the steps' queries did move the windows
-    ranked = ((True, True),) * 2
-    assert layouts == ([ranked] * 12 + [((False, False),) * 2] * 18 if positions == "rank"
-                       else [((False, False),) * 2] * 30)  # the burst: the reply's first 12 choices
 
 
 @pytest.mark.parametrize("burst, interval, most, every", [(0, 1, 1, 1), (0, 3, 1, 3), (4, 5, 1, 5), (0, 1, 8, 2),
@@ -597,30 +588,44 @@ def gguf_model(tmp_path_factory):
     return model
 
 
-def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windows(gguf_model):
-    config = recall_config()
+@pytest.mark.parametrize("positions", ["text", "rank"])
+def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windows(gguf_model, positions):
+    """The native step and `decode_step` give the same logits, queries and windows, with the text
+    layout and with every held key read at its rank (each rotates the keys as fed to their ranks
+    itself; the text layout's logits differ from the ranks')."""
+    config = recall_config(recall_positions=positions)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
     assert native.native is not None and ops.native is None
     recalling_rows(gen, (50, 51, 52), [native, ops])  # a bucket of 4 with a padding row
+    text = StaticDecoder(gguf_model, recall_config(), max_rows=4, exact=True) if positions == "rank" else None
+    if text is not None:
+        recalling_rows(gen, (50, 51, 52), [text])
+    differ = 0
     for _ in range(20):
         by_native, by_ops = native.step(), ops.step()
         torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        if text is not None:
+            differ += not torch.allclose(text.step(), by_native, rtol=1e-3, atol=1e-3)
+            text.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
         torch.testing.assert_close(native.queries[:, :3], ops.queries[:, :3], rtol=1e-5, atol=1e-5)
         for row in range(3):
             assert torch.equal(native.cache.windows[row][1], ops.cache.windows[row][1])
             assert_window_holds_archive_tokens(gguf_model, native.cache, row)
         native.cache.pending = ops.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
     assert native.cache.lengths == ops.cache.lengths and native.cache.recalled == [16] * 3
+    assert differ > 10 if positions == "rank" else differ == 0
 
 
-def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, monkeypatch):
+@pytest.mark.parametrize("positions", ["text", "rank"])
+def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, monkeypatch, positions):
     """The native step reads each row's window from the cache's fp16 copy (`recall.WindowCopy`): at
     every call, choices, evictions, rows popped and rows added included, the copy equals the window's
     rotated keys and values bit for bit (they are fp16 values: `recall.stored`), and the step's logits
-    are the torch ops' over the fp32 window."""
-    config = recall_config(recall_interval=3)
+    are the torch ops' over the fp32 window. With ranks the copy holds the keys as fed (the step
+    rotates them to their ranks), the kernel's choices writing them so and its placements leaving them."""
+    config = recall_config(recall_interval=3, recall_positions=positions)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
@@ -628,18 +633,20 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
     checked = []
     call = NativeStep.__call__
 
-    def checking(step, tokens, slots, origins, recalled=None):
+    def checking(step, tokens, slots, origins, recalled=None, ranked=None):
         cache = native.cache
+        assert (ranked is not None) == (positions == "rank")
+        keys = cache._keys if positions == "rank" else cache._rotated
         if recalled is None:  # a bucket too small to read the copy: the fp32 window, the same values
             checked.append(None)
-            return call(step, tokens, slots, origins, recalled)
+            return call(step, tokens, slots, origins, recalled, ranked)
         for row in range(cache.batch_size):
             r = cache.recalled[row]
             assert recalled[row] == r
-            assert torch.equal(step.window[0, :, row, :, :r].float(), cache._rotated[:, row, :, :r])
+            assert torch.equal(step.window[0, :, row, :, :r].float(), keys[:, row, :, :r])
             assert torch.equal(step.window[1, :, row, :, :r].float(), cache._values[:, row, :, :r])
         checked.append(sum(recalled))
-        return call(step, tokens, slots, origins, recalled)
+        return call(step, tokens, slots, origins, recalled, ranked)
 
     monkeypatch.setattr(NativeStep, "__call__", checking)
     recalling_rows(gen, (60, 61, 62), [native, ops])
