@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from h2o_cache.quantized import QuantizedMatrix
+from h2o_cache.recall import held_ranks
 
 Matrix = torch.Tensor | QuantizedMatrix
 
@@ -130,10 +131,7 @@ def ranked_keys(fed: torch.Tensor, origins: torch.Tensor, visible: torch.Tensor,
     """fed [B, H_kv, capacity, D] (keys before RoPE) rotated to their `recall.held_ranks` among the
     visible slots of their row (visible [B, capacity]; origins [B, H_kv, capacity]); slots past them rank
     after every held one and are masked anyway. Fixed shapes, no host reads: a sort per head."""
-    held = origins.masked_fill(~visible[:, None], torch.iinfo(origins.dtype).max)
-    order = held.argsort(dim=-1, stable=True)
-    count = torch.arange(held.shape[-1], device=held.device).expand_as(order)
-    ranks = torch.empty_like(order).scatter_(-1, order, count)
+    ranks = held_ranks(origins.masked_fill(~visible[:, None], torch.iinfo(origins.dtype).max))
     d = fed.shape[-1]
     cos, sin = cos_table[ranks], sin_table[ranks]  # [B, H_kv, capacity, D]
     signed_sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
