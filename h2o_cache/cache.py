@@ -25,6 +25,7 @@ choice that fails fails before its pass: a retry never feeds a token twice.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,11 @@ from h2o_cache.rope import RopeTable
 # (capped choices, `CacheConfig.recall_choices`, serve these first; one kept waiting chooses by the
 # latest queries)
 INTERVAL, BURST, FIRST = 1, 2, 3
+
+# `H2OCache.epochs`: a number no other row of any cache has had, given to a row whenever it may start
+# to hold another sequence's tokens (added empty, copied in); within one epoch a row's origin names one
+# token, so what was computed from its keys (the native step's keys at their ranks) can be kept
+_epochs = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class H2OCache:
         self.ahead: list[torch.Tensor | None] = []  # the queries of the row's last prefill chunk (with recall)
         self.lengths: list[int] = []  # tokens resident per row (the same in every layer and head)
         self.seen: list[int] = []  # tokens ever fed per row
+        self.epochs: list[int] = []  # see `_epochs`
         self.pending: list[list[int]] = []  # tokens a row has sampled but not fed yet (see Generator)
         self._rows_capacity = 0
         self._capacity = 0
@@ -123,6 +130,7 @@ class H2OCache:
         self._reserve(self.batch_size + n, self._capacity)
         self.lengths += [0] * n
         self.seen += [0] * n
+        self.epochs += [next(_epochs) for _ in range(n)]
         self.pending += [[] for _ in range(n)]
         self.archives += [None] * n
         self.recalled += [0] * n
@@ -144,6 +152,7 @@ class H2OCache:
             self._copy_row(start + i, other, i, length)
         self.lengths += other.lengths
         self.seen += other.seen
+        self.epochs += [next(_epochs) for _ in other.lengths]
         self.pending += [list(p) for p in other.pending]
         if move:
             self.archives += other.archives
@@ -164,6 +173,7 @@ class H2OCache:
         single._reserve(1, length)
         single._copy_row(0, self, row, length)
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
+        single.epochs = [next(_epochs)]
         single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
         single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
         single.due, single.decoded, single.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
@@ -174,8 +184,10 @@ class H2OCache:
             self._copy_row(row, self, last, self.lengths[last])
             for rows in per_row:
                 rows[row] = rows[last]
+            self.epochs[row] = next(_epochs)
         for rows in per_row:
             rows.pop()
+        self.epochs.pop()
         return single
 
     def _buffers(self) -> list[torch.Tensor]:

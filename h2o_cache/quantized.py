@@ -192,7 +192,9 @@ class StepLayout(ctypes.Structure):
                 + [("queries", ctypes.c_void_p), ("query_layer_stride", ctypes.c_int64), ("activations", ctypes.c_int64)]
                 + [("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p)]
                 + [(name, ctypes.c_int64) for name in ("window_layer_stride", "window_row_stride", "window_capacity")]
-                + [("recalled", ctypes.c_void_p), ("ranked", ctypes.c_void_p)])
+                + [("recalled", ctypes.c_void_p), ("ranked", ctypes.c_void_p)]
+                + [("rank_keys", ctypes.c_void_p), ("rank_tags", ctypes.c_void_p), ("rank_meta", ctypes.c_void_p),
+                   ("rank_rows", ctypes.c_int64), ("rank_epochs", ctypes.c_void_p)])
 
 
 class NativeStep:
@@ -207,16 +209,26 @@ class NativeStep:
     """
 
     def __init__(self, weights, buffers, cos: torch.Tensor, sin: torch.Tensor, max_rows: int,
-                 queries: torch.Tensor | None = None, activations: str = EXACT, window: torch.Tensor | None = None):
+                 queries: torch.Tensor | None = None, activations: str = EXACT, window: torch.Tensor | None = None,
+                 ranks: bool = False):
         """queries: [L, max_rows, H_q, D] fp32 contiguous, where every step leaves each row's queries
         before RoPE (to choose recall windows), or None. window: the cache's fp16 copy of its recall
         windows (`H2OCache.window_copy`, [2, L, rows, H_kv, R, D]), which the step then reads for
-        slots 0 .. recalled[b] - 1 of row b (the `recalled` argument of each call), or None."""
+        slots 0 .. recalled[b] - 1 of row b (the `recalled` argument of each call), or None.
+        ranks: keep each row's keys rotated to their ranks from call to call (for calls with `ranked`
+        and `epochs`), so that a step rotates only the keys whose rank or token changed since the
+        row's last step: one more buffer the size of the keys', whose pages only rows that read at
+        ranks touch."""
         self.activations = activations
         self._keep = (weights, buffers, cos, sin, queries, window)  # the kernel reads these through raw pointers
         self.window = window
         self.recalled = torch.zeros(max_rows, dtype=torch.int64)
         self.ranked = torch.zeros(max_rows, dtype=torch.int64)
+        self.epochs = torch.zeros(max_rows, dtype=torch.int64)
+        rows = buffers.keys.shape[1]
+        # with ranks: the keys at their ranks and what each slot holds there; -1: nothing yet
+        self._ranks = (torch.empty_like(buffers.keys), torch.empty_like(buffers.origins),
+                       torch.full((len(weights.layers), rows, weights.num_kv_heads, 4), -1, dtype=torch.int64)) if ranks else None
         layers = weights.layers
         products = {id(m): m.product_blocks(activations) for lw in layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)}
         head_kind, head_blocks = weights.lm_head.product_blocks(activations)
@@ -251,7 +263,11 @@ class NativeStep:
             window_layer_stride=0 if window is None else window.stride(1),
             window_row_stride=0 if window is None else window.stride(2),
             window_capacity=0 if window is None else window.shape[4], recalled=self.recalled.data_ptr(),
-            ranked=self.ranked.data_ptr())
+            ranked=self.ranked.data_ptr(),
+            rank_keys=None if self._ranks is None else self._ranks[0].data_ptr(),
+            rank_tags=None if self._ranks is None else self._ranks[1].data_ptr(),
+            rank_meta=None if self._ranks is None else self._ranks[2].data_ptr(), rank_rows=rows,
+            rank_epochs=self.epochs.data_ptr())
         self.logits = torch.empty(max_rows, self.layout.vocab)
 
     @staticmethod
@@ -272,18 +288,24 @@ class NativeStep:
                 and weights.embed.shape[1] % BLOCK == 0 and weights.layers[0].down.in_features % BLOCK == 0)
 
     def __call__(self, tokens: torch.Tensor, slots: torch.Tensor, origins: torch.Tensor,
-                 recalled: list[int] | None = None, ranked: list[int] | None = None) -> torch.Tensor:
+                 recalled: list[int] | None = None, ranked: list[int] | None = None,
+                 epochs: list[int] | None = None) -> torch.Tensor:
         """Logits [B, V] (a view of a buffer the next call overwrites) for int64 CPU tensors [B];
         recalled: each row's window slots, read from the window's copy (with `window`; else none);
         ranked: each row's window slots where every held key is read at its rank in the order of the
         text (`recall_positions` "rank": rotated from the keys as fed, the window's from the copy where
-        `recalled` names it, which then holds them as fed; else none)."""
+        `recalled` names it, which then holds them as fed; else none); epochs: with `ranks` and
+        `ranked`, each row's `H2OCache.epochs` entry (a row whose epoch changed holds other tokens)."""
         b = tokens.shape[0]
         self.recalled[:b] = 0
         self.ranked[:b] = 0
         if self.window is not None and recalled:
             self.recalled[:len(recalled)] = torch.tensor(recalled, dtype=torch.int64)
         if ranked:
+            if self._ranks is not None:
+                if epochs is None or len(epochs) < len(ranked):
+                    raise ValueError("a step that keeps the keys at their ranks needs each ranked row's epoch")
+                self.epochs[:len(ranked)] = torch.tensor(epochs[:len(ranked)], dtype=torch.int64)
             self.ranked[:len(ranked)] = torch.tensor(ranked, dtype=torch.int64)
         self.layout.threads = torch.get_num_threads()
         status = kernel().h2o_decode_step(ctypes.byref(self.layout), tokens.data_ptr(), slots.data_ptr(),

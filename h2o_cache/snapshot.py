@@ -64,7 +64,7 @@ def _row_buffers(cache: H2OCache) -> dict[str, torch.Tensor]:
 
 
 def _row_lists(cache: H2OCache) -> dict[str, list]:
-    return {name: value for name, value in vars(cache).items() if isinstance(value, list) and name not in ("archives", "windows")}
+    return {name: value for name, value in vars(cache).items() if isinstance(value, list) and name not in ("archives", "windows", "epochs")}
 
 
 def dump_row(cache: H2OCache, row: int, identity: str, extra: dict[str, str] | None = None) -> bytes:

@@ -116,7 +116,8 @@ class StaticDecoder:
                 self.cache.keep_window_copy()  # with recall: the step reads the windows in fp16
                 self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries,
                                          activations=EXACT if exact else fastest_activations(),
-                                         window=self.cache.window_copy())
+                                         window=self.cache.window_copy(),
+                                         ranks=config.recall_positions == "rank" and config.recalls)
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
         # A bucket's tokens, slots and origins ([3, bucket]; with rolling a new token's RoPE position is
@@ -232,7 +233,8 @@ class StaticDecoder:
             if copy and self.cache.window_copy() is not self.native.window:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
             ranked = self.cache.recalled if self.cache.config.recall_positions == "rank" else None
-            return self.native(tokens, slots, origins, self.cache.recalled if copy else None, ranked=ranked)
+            return self.native(tokens, slots, origins, self.cache.recalled if copy else None, ranked=ranked,
+                               epochs=self.cache.epochs)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights

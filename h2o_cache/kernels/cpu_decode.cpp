@@ -249,6 +249,18 @@ struct Layout {
     // their ranks among its held tokens (`held_ranks`), the window's from its copy where `recalled`
     // says so (which then holds them as fed); rows of 0 read `rotated` (their ranks are their slots).
     const int64_t* ranked;
+    // May be null (with `ranked` only): else the keys already rotated to their ranks, kept from call to
+    // call so that a row whose held tokens did not change reads them as they are (`keys`' shape and
+    // strides); `rank_tags` (`origins`' shape) says what each slot holds there: its origin << 17, 1 << 16
+    // for a window slot, its rank; `rank_meta` ([layers, rows, kv_heads, 4] contiguous, `rank_rows` rows)
+    // what a row's head last read: the row's epoch, its window slots, its slots, its split (-1: nothing);
+    // `rank_epochs` ([B]) each row's epoch now, which changes whenever the row may hold other tokens under
+    // the same origins (another sequence copied in): within one epoch an origin names one key as fed.
+    float* rank_keys;
+    int64_t* rank_tags;
+    int64_t* rank_meta;
+    int64_t rank_rows;
+    const int64_t* rank_epochs;
 };
 
 // transformers' LlamaRMSNorm: x / sqrt(mean(x^2) + eps), times the weight. n: a multiple of 8.
@@ -432,6 +444,55 @@ inline void held_ranks(const int64_t* origins, int64_t r, int64_t n, std::vector
     while (j < n) ranks[j++] = static_cast<int32_t>(k++);
 }
 
+// Row b's held keys of KV head h at their ranks, from the kept `rank_keys` (see Layout), for the n
+// slots of a row with `held` window slots (read from `window_keys` where not null, else from `fed`):
+// where the row's epoch and window are as the head last read them and its first `split` slots hold the
+// same origins (its newer slots then hold own tokens newer than every window token: ranks as slots),
+// as they are; else each slot whose origin, kind or rank changed rotated again. split: the slots
+// read from the result, the others at their slots from `rotated`.
+inline const float* ranked_front(const Layout& s, int64_t layer, int64_t b, int64_t h, int64_t held, int64_t n,
+                                 const uint16_t* window_keys, const float* fed, const int64_t* origins,
+                                 std::vector<int64_t>& order, std::vector<int32_t>& ranks, int64_t& split) {
+    const int64_t D = s.head_dim, cap = s.capacity;
+    float* kept = s.rank_keys + layer * s.kv_layer_stride + b * s.kv_row_stride + h * cap * D;
+    int64_t* tags = s.rank_tags + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
+    int64_t* meta = s.rank_meta + ((layer * s.rank_rows + b) * s.kv_heads + h) * 4;
+    const int64_t epoch = s.rank_epochs[b];
+    const bool known = meta[0] == epoch;
+    if (known && meta[1] == held && meta[3] <= n) {
+        bool same = true;
+        int64_t newest = -1;  // the newest window origin
+        for (int64_t t = 0; t < meta[3] && same; ++t) {
+            same = (tags[t] >> 17) == origins[t];
+            if (t < held && origins[t] > newest) newest = origins[t];
+        }
+        if (same && (meta[3] == n || origins[meta[3]] > newest)) {
+            split = meta[3];
+            return kept;
+        }
+    }
+    if (static_cast<int64_t>(ranks.size()) < n) ranks.resize(n);
+    held_ranks(origins, held, n, order, ranks.data());
+    split = n;
+    while (split > held && ranks[split - 1] == split - 1) --split;
+    if (!known)  // what the slots past the split hold is of another epoch
+        for (int64_t t = split; t < cap; ++t) tags[t] = -1;
+    for (int64_t t = 0; t < split; ++t) {
+        const int64_t tag = (origins[t] << 17) | (static_cast<int64_t>(t < held) << 16) | ranks[t];
+        if (known && tags[t] == tag) continue;
+        const float* c = s.cos + ranks[t] * D;
+        const float* si = s.sin + ranks[t] * D;
+        if (t < held && window_keys) rope8(window_keys + t * D, c, si, kept + t * D, D);
+        else rope8(fed + t * D, c, si, kept + t * D, D);
+        tags[t] = tag;
+    }
+    meta[0] = epoch;
+    meta[1] = held;
+    meta[2] = n;
+    meta[3] = split;
+    return kept;
+}
+
 // One layer's attention for B rows: qkv [B, (H + 2 H_kv) D] -> out [B, H D], and the cache writes.
 void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slots, int64_t B, float* out) {
     const int64_t H = s.heads, Hkv = s.kv_heads, D = s.head_dim, G = H / Hkv, cap = s.capacity;
@@ -471,19 +532,26 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
                 // every held key as fed (the copy's too) rotated to its rank, but the own keys newer than
                 // every window key: their ranks are their slots, where `rotated` holds them
                 const int64_t* row_origins = s.origins + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
-                if (static_cast<int64_t>(ranks.size()) < n) ranks.resize(n);
-                if (static_cast<int64_t>(ranked_keys.size()) < n * D) ranked_keys.resize(n * D);
-                held_ranks(row_origins, held, n, order, ranks.data());
-                int64_t split = n;
-                while (split > held && ranks[split - 1] == split - 1) --split;
                 const float* fed = s.keys + at;
-                for (int64_t t = 0; t < split; ++t) {
-                    const float* c = s.cos + ranks[t] * D;
-                    const float* si = s.sin + ranks[t] * D;
-                    if (t < r) rope8(window_keys + t * D, c, si, ranked_keys.data() + t * D, D);
-                    else rope8(fed + t * D, c, si, ranked_keys.data() + t * D, D);
+                const float* front;
+                int64_t split;
+                if (s.rank_keys) {
+                    front = ranked_front(s, layer, b, h, held, n, window_keys, fed, row_origins, order, ranks, split);
+                } else {
+                    if (static_cast<int64_t>(ranks.size()) < n) ranks.resize(n);
+                    if (static_cast<int64_t>(ranked_keys.size()) < n * D) ranked_keys.resize(n * D);
+                    held_ranks(row_origins, held, n, order, ranks.data());
+                    split = n;
+                    while (split > held && ranks[split - 1] == split - 1) --split;
+                    for (int64_t t = 0; t < split; ++t) {
+                        const float* c = s.cos + ranks[t] * D;
+                        const float* si = s.sin + ranks[t] * D;
+                        if (t < r) rope8(window_keys + t * D, c, si, ranked_keys.data() + t * D, D);
+                        else rope8(fed + t * D, c, si, ranked_keys.data() + t * D, D);
+                    }
+                    front = ranked_keys.data();
                 }
-                group_attention(q.data(), G, ranked_keys.data(), split, window_values, r, keys, values, n, D, scaling,
+                group_attention(q.data(), G, front, split, window_values, r, keys, values, n, D, scaling,
                                 probs.data(), padded, out + b * H * D + h * G * D);
             } else {
                 group_attention(q.data(), G, window_keys, r, window_values, r, keys, values, n, D, scaling, probs.data(),

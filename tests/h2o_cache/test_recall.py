@@ -618,6 +618,42 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
     assert differ > 10 if positions == "rank" else differ == 0
 
 
+def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_every_step(gguf_model):
+    """With ranks the native step keeps each row's keys rotated to their ranks from call to call and
+    rotates again only the slots whose token or rank changed (`NativeStep(ranks=True)`): its logits
+    are bit for bit those of the step that rotates every key at every call, through steps that
+    choose and steps that do not, evictions, a bucket below the window copy's, rows that leave and
+    rows that come in at a leaving row's index holding another sequence under the same origins (a
+    new epoch: `H2OCache.epochs`)."""
+    config = recall_config(recall_interval=3, recall_burst=2, recall_positions="rank")
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    kept = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
+    every = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
+    assert kept.native._ranks is not None
+    every.native.layout.rank_keys = None  # the kernel rotates every key at every call
+    meta = kept.native._ranks[2]
+    recalling_rows(gen, (70, 71, 72), [kept, every])
+    reused = steps = 0
+    for i in range(30):
+        if i in (8, 16):  # the first row leaves, the last takes its index; a new row comes
+            for decoder in (kept, every):
+                decoder.cache.pop(0)
+            recalling_rows(gen, (73 + i,), [kept, every])
+        if i == 24:  # one row left: a bucket of 1 reads the fp32 window, not its copy
+            for decoder in (kept, every):
+                decoder.cache.pop(0), decoder.cache.pop(0)
+        by_kept, by_every = kept.step(), every.step()
+        assert torch.equal(by_kept, by_every)
+        rows = kept.cache.batch_size
+        reused += int((meta[:, :rows, :, 2] < torch.tensor(kept.cache.lengths)[None, :, None]).sum())
+        steps += 1
+        for decoder in (kept, every):
+            decoder.cache.pending = [[t] for t in by_every.argmax(dim=-1).tolist()]
+    assert kept.cache.lengths == every.cache.lengths and steps == 30
+    assert reused >= 30  # heads did read their kept keys as they were (76 of 340 here), not only rotate anew
+    assert sum(kept.cache.recall_count) > 4 * 2 * 2 * 16  # the last row's windows changed, not only filled once
+
+
 @pytest.mark.parametrize("positions", ["text", "rank"])
 def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, monkeypatch, positions):
     """The native step reads each row's window from the cache's fp16 copy (`recall.WindowCopy`): at
@@ -633,20 +669,20 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
     checked = []
     call = NativeStep.__call__
 
-    def checking(step, tokens, slots, origins, recalled=None, ranked=None):
+    def checking(step, tokens, slots, origins, recalled=None, ranked=None, epochs=None):
         cache = native.cache
         assert (ranked is not None) == (positions == "rank")
         keys = cache._keys if positions == "rank" else cache._rotated
         if recalled is None:  # a bucket too small to read the copy: the fp32 window, the same values
             checked.append(None)
-            return call(step, tokens, slots, origins, recalled, ranked)
+            return call(step, tokens, slots, origins, recalled, ranked, epochs)
         for row in range(cache.batch_size):
             r = cache.recalled[row]
             assert recalled[row] == r
             assert torch.equal(step.window[0, :, row, :, :r].float(), keys[:, row, :, :r])
             assert torch.equal(step.window[1, :, row, :, :r].float(), cache._values[:, row, :, :r])
         checked.append(sum(recalled))
-        return call(step, tokens, slots, origins, recalled, ranked)
+        return call(step, tokens, slots, origins, recalled, ranked, epochs)
 
     monkeypatch.setattr(NativeStep, "__call__", checking)
     recalling_rows(gen, (60, 61, 62), [native, ops])
