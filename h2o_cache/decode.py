@@ -67,7 +67,7 @@ class CacheBuffers:
 
     keys: before RoPE when rolling, else rotated to their absolute positions; rotated: None unless
     rolling; scores: None unless the policy scores; origins: int64, each slot's token index in its
-    row's sequence; pinned: bool, recalled tokens (None without recall; the step never reads it).
+    row's sequence; pinned: bool, recalled tokens (None without recall; the step reads it only with ranks).
     """
 
     keys: torch.Tensor
@@ -127,15 +127,20 @@ def attention_logits(q: torch.Tensor, keys_t: torch.Tensor, mask: torch.Tensor, 
 
 
 def ranked_keys(fed: torch.Tensor, origins: torch.Tensor, visible: torch.Tensor, cos_table: torch.Tensor,
-                sin_table: torch.Tensor) -> torch.Tensor:
+                sin_table: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
     """fed [B, H_kv, capacity, D] (keys before RoPE) rotated to their `recall.held_ranks` among the
     visible slots of their row (visible [B, capacity]; origins [B, H_kv, capacity]); slots past them rank
-    after every held one and are masked anyway. Fixed shapes, no host reads: a sort per head."""
+    after every held one and are masked anyway. window: None, or [B, H_kv, capacity] bool, the recall
+    window's slots, whose keys an fp32 cache holds in fp16 at whatever position they are read
+    (`recall.stored`): rounded so after their rotation. Fixed shapes, no host reads: a sort per head."""
     ranks = held_ranks(origins.masked_fill(~visible[:, None], torch.iinfo(origins.dtype).max))
     d = fed.shape[-1]
     cos, sin = cos_table[ranks], sin_table[ranks]  # [B, H_kv, capacity, D]
     signed_sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
-    return rotate(fed.float(), cos, signed_sin)
+    out = rotate(fed.float(), cos, signed_sin)
+    if window is not None and fed.dtype == torch.float32:
+        out = torch.where(window[..., None], out.half().float(), out)
+    return out
 
 
 @torch.no_grad()
@@ -193,7 +198,8 @@ def decode_step(
         keys.scatter_(2, write, qk[:, h_q:, None])
         values.scatter_(2, write, v[:, :, None])
         if ranked and cache.rotated is not None:
-            keys = ranked_keys(fed, cache.origins[layer, :b], visible, cos_table, sin_table).to(keys.dtype)
+            window = None if cache.pinned is None else cache.pinned[layer, :b]
+            keys = ranked_keys(fed, cache.origins[layer, :b], visible, cos_table, sin_table, window).to(keys.dtype)
 
         # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
         q = qk[:, :h_q].reshape(b * h_kv, group, d)

@@ -374,15 +374,17 @@ def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch
     """`keys` ([B, H_kv, K, D], this pass's visible keys) with the held keys of each row that is fed and
     has a window rotated to their `held_ranks`, from the keys as fed (a copy: the buffers keep the text
     layout); other rows as they were (without a window a row's ranks are its slots). The pass's new
-    tokens are the row's newest, at their slots either way, as a decode step's query is. The native
-    decode step and `decode.decode_step` read the same ranks (`recall_positions` "rank")."""
+    tokens are the row's newest, at their slots either way, as a decode step's query is. The window's
+    keys are held as its keys always are (`stored`: in fp16 in an fp32 cache) after their rotation. The
+    native decode step and `decode.decode_step` read the same ranks (`recall_positions` "rank")."""
     rows = [row for row in range(keys.shape[0]) if cache.recalled[row] and step.n_new[row]]
     if not rows:
         return keys
     keys = keys.clone()
     for row in rows:
-        n = cache.lengths[row] + step.n_new[row]
+        n, r = cache.lengths[row] + step.n_new[row], cache.recalled[row]
         _rotate_to_ranks(cache, keys[row, :, :n], cache._keys[layer, row, :, :n], cache._origins[layer, row, :, :n])
+        keys[row, :, :r] = stored(keys[row, :, :r], cache.spec.dtype)  # a window's keys, at any position
     return keys
 
 

@@ -424,9 +424,11 @@ def main(argv: list[str] | None = None) -> None:
             results, hits, tokens, runs = merge(args.merge, args.pool)
         except (OSError, ValueError, KeyError) as e:
             sys.exit(f"cannot merge: {e}")
-        caption = (f"Teacher-forced NLL of the reference summary, {len(tokens)} XSum articles, {int(tokens.sum())} "
-                   f"reference tokens, {len(runs)} runs merged from {len(args.merge)} files; differences in "
-                   f"nats/token with 95% paired bootstrap CIs over articles")
+        what = (f"{args.target}-token continuations of {args.text.name}, {len(tokens)} places" if args.text
+                else f"the reference summary, {len(tokens)} XSum articles")
+        caption = (f"Teacher-forced NLL of {what}, {int(tokens.sum())} reference tokens, {len(runs)} runs merged from "
+                   f"{len(args.merge)} files (pass --text with files of continuations); differences in nats/token "
+                   f"with 95% paired bootstrap CIs over {'places' if args.text else 'articles'}")
         print(report(results, hits, tokens, runs, caption))
         lines = targets(results, tokens, sorted({run.config.budget for run in runs if run.config.budget}))
         print("\n".join(["", *lines, *sweep_differences(results, tokens), *interval_differences(results, tokens)]))

@@ -400,24 +400,28 @@ inline void group_weighted_sum(const float* p, int64_t stride, const uint16_t* w
 }
 
 // A KV head's attention for its query group (q: G rows of d, rotated): p (G rows, stride apart) takes
-// the softmax weights over slots 0..n-1 (keys below `split` read from `front`, fp16 or fp32, values
-// below r from the window's fp16 copy `window_values`, the others from the cache's `keys` and
-// `values`, slot 0 first), out the G outputs. Up to three queries share a pass over the keys.
-template <typename F>
-inline void group_attention(const float* q, int64_t G, const F* front, int64_t split, const uint16_t* window_values,
-                            int64_t r, const float* keys, const float* values, int64_t n, int64_t d, float scale,
-                            float* p, int64_t stride, float* out) {
+// the softmax weights over slots 0..n-1 (keys below w read from the fp16 `window_keys`, those from w
+// below `split` from `front`, the others from the cache's `keys`; values below r from the window's fp16
+// copy `window_values`, the others from the cache's `values`; slot 0 first), out the G outputs. Up to
+// three queries share a pass over the keys.
+inline void group_attention(const float* q, int64_t G, const uint16_t* window_keys, int64_t w, const float* front,
+                            int64_t split, const uint16_t* window_values, int64_t r, const float* keys,
+                            const float* values, int64_t n, int64_t d, float scale, float* p, int64_t stride,
+                            float* out) {
     for (int64_t g = 0; g < G; g += 3) {
         const int64_t m = G - g < 3 ? G - g : 3;
         const float* qg = q + g * d;
         float* pg = p + g * stride;
         float* og = out + g * d;
         switch (m) {
-            case 3: group_logits<3>(qg, front, 0, split, d, scale, pg, stride);
+            case 3: group_logits<3>(qg, window_keys, 0, w, d, scale, pg, stride);
+                    group_logits<3>(qg, front, w, split, d, scale, pg, stride);
                     group_logits<3>(qg, keys, split, n, d, scale, pg, stride); break;
-            case 2: group_logits<2>(qg, front, 0, split, d, scale, pg, stride);
+            case 2: group_logits<2>(qg, window_keys, 0, w, d, scale, pg, stride);
+                    group_logits<2>(qg, front, w, split, d, scale, pg, stride);
                     group_logits<2>(qg, keys, split, n, d, scale, pg, stride); break;
-            default: group_logits<1>(qg, front, 0, split, d, scale, pg, stride);
+            default: group_logits<1>(qg, window_keys, 0, w, d, scale, pg, stride);
+                     group_logits<1>(qg, front, w, split, d, scale, pg, stride);
                      group_logits<1>(qg, keys, split, n, d, scale, pg, stride);
         }
         for (int64_t j = 0; j < m; ++j) softmax(pg + j * stride, n);
@@ -445,7 +449,8 @@ inline void held_ranks(const int64_t* origins, int64_t r, int64_t n, std::vector
 }
 
 // Row b's held keys of KV head h at their ranks, from the kept `rank_keys` (see Layout), for the n
-// slots of a row with `held` window slots (read from `window_keys` where not null, else from `fed`):
+// slots of a row with `held` window slots (read from `window_keys` where not null, else from `fed`; kept
+// rounded to fp16, as a window holds its keys at whatever position they are read):
 // where the row's epoch and window are as the head last read them and its first `split` slots hold the
 // same origins (its newer slots then hold own tokens newer than every window token: ranks as slots),
 // as they are; else each slot whose origin, kind or rank changed rotated again. split: the slots
@@ -484,6 +489,7 @@ inline const float* ranked_front(const Layout& s, int64_t layer, int64_t b, int6
         const float* si = s.sin + ranks[t] * D;
         if (t < held && window_keys) rope8(window_keys + t * D, c, si, kept + t * D, D);
         else rope8(fed + t * D, c, si, kept + t * D, D);
+        if (t < held) round_fp16(kept + t * D, D);
         tags[t] = tag;
     }
     meta[0] = epoch;
@@ -548,14 +554,15 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
                         const float* si = s.sin + ranks[t] * D;
                         if (t < r) rope8(window_keys + t * D, c, si, ranked_keys.data() + t * D, D);
                         else rope8(fed + t * D, c, si, ranked_keys.data() + t * D, D);
+                        if (t < held) round_fp16(ranked_keys.data() + t * D, D);  // as a window holds its keys
                     }
                     front = ranked_keys.data();
                 }
-                group_attention(q.data(), G, front, split, window_values, r, keys, values, n, D, scaling,
+                group_attention(q.data(), G, nullptr, 0, front, split, window_values, r, keys, values, n, D, scaling,
                                 probs.data(), padded, out + b * H * D + h * G * D);
             } else {
-                group_attention(q.data(), G, window_keys, r, window_values, r, keys, values, n, D, scaling, probs.data(),
-                                padded, out + b * H * D + h * G * D);
+                group_attention(q.data(), G, window_keys, r, keys, r, window_values, r, keys, values, n, D, scaling,
+                                probs.data(), padded, out + b * H * D + h * G * D);
             }
             if (s.scores) {
                 float* scores = s.scores + layer * s.score_layer_stride + b * s.score_row_stride + h * cap;
