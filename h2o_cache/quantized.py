@@ -215,8 +215,8 @@ class NativeStep:
         before RoPE (to choose recall windows), or None. window: the cache's fp16 copy of its recall
         windows (`H2OCache.window_copy`, [2, L, rows, H_kv, R, D]), which the step then reads for
         slots 0 .. recalled[b] - 1 of row b (the `recalled` argument of each call), or None.
-        ranks: keep each row's keys rotated to their ranks from call to call (for calls with `ranked`
-        and `epochs`), so that a step rotates only the keys whose rank or token changed since the
+        ranks: for calls with `ranked` (and `epochs`): each row's keys are kept rotated to their ranks
+        from call to call, so that a step rotates only the keys whose rank or token changed since the
         row's last step: one more buffer the size of the keys', whose pages only rows that read at
         ranks touch."""
         self.activations = activations
@@ -302,10 +302,9 @@ class NativeStep:
         if self.window is not None and recalled:
             self.recalled[:len(recalled)] = torch.tensor(recalled, dtype=torch.int64)
         if ranked:
-            if self._ranks is not None:
-                if epochs is None or len(epochs) < len(ranked):
-                    raise ValueError("a step that keeps the keys at their ranks needs each ranked row's epoch")
-                self.epochs[:len(ranked)] = torch.tensor(epochs[:len(ranked)], dtype=torch.int64)
+            if self._ranks is None or epochs is None or len(epochs) < len(ranked):
+                raise ValueError("rows read at their ranks need a step built with ranks=True and each row's epoch")
+            self.epochs[:len(ranked)] = torch.tensor(epochs[:len(ranked)], dtype=torch.int64)
             self.ranked[:len(ranked)] = torch.tensor(ranked, dtype=torch.int64)
         self.layout.threads = torch.get_num_threads()
         status = kernel().h2o_decode_step(ctypes.byref(self.layout), tokens.data_ptr(), slots.data_ptr(),

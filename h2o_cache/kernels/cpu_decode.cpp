@@ -249,7 +249,7 @@ struct Layout {
     // their ranks among its held tokens (`held_ranks`), the window's from its copy where `recalled`
     // says so (which then holds them as fed); rows of 0 read `rotated` (their ranks are their slots).
     const int64_t* ranked;
-    // May be null (with `ranked` only): else the keys already rotated to their ranks, kept from call to
+    // Set wherever a row is `ranked`: the keys rotated to their ranks, kept from call to
     // call so that a row whose held tokens did not change reads them as they are (`keys`' shape and
     // strides); `rank_tags` (`origins`' shape) says what each slot holds there: its origin << 17, 1 << 16
     // for a window slot, its rank; `rank_meta` ([layers, rows, kv_heads, 4] contiguous, `rank_rows` rows)
@@ -507,8 +507,7 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
         std::vector<float> q(G * D), probs(G * padded);
-        // with ranks: scratch kept by each thread from call to call (resizing zeroes what it adds)
-        static thread_local std::vector<float> ranked_keys;
+        // with ranks: scratch kept by each thread from call to call
         static thread_local std::vector<int64_t> order;
         static thread_local std::vector<int32_t> ranks;
         // tasks are handed out one at a time: a row's cost grows with its slots, and rows differ
@@ -538,26 +537,9 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
                 // every held key as fed (the copy's too) rotated to its rank, but the own keys newer than
                 // every window key: their ranks are their slots, where `rotated` holds them
                 const int64_t* row_origins = s.origins + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
-                const float* fed = s.keys + at;
-                const float* front;
                 int64_t split;
-                if (s.rank_keys) {
-                    front = ranked_front(s, layer, b, h, held, n, window_keys, fed, row_origins, order, ranks, split);
-                } else {
-                    if (static_cast<int64_t>(ranks.size()) < n) ranks.resize(n);
-                    if (static_cast<int64_t>(ranked_keys.size()) < n * D) ranked_keys.resize(n * D);
-                    held_ranks(row_origins, held, n, order, ranks.data());
-                    split = n;
-                    while (split > held && ranks[split - 1] == split - 1) --split;
-                    for (int64_t t = 0; t < split; ++t) {
-                        const float* c = s.cos + ranks[t] * D;
-                        const float* si = s.sin + ranks[t] * D;
-                        if (t < r) rope8(window_keys + t * D, c, si, ranked_keys.data() + t * D, D);
-                        else rope8(fed + t * D, c, si, ranked_keys.data() + t * D, D);
-                        if (t < held) round_fp16(ranked_keys.data() + t * D, D);  // as a window holds its keys
-                    }
-                    front = ranked_keys.data();
-                }
+                const float* front = ranked_front(s, layer, b, h, held, n, window_keys, s.keys + at, row_origins, order,
+                                                  ranks, split);
                 group_attention(q.data(), G, nullptr, 0, front, split, window_values, r, keys, values, n, D, scaling,
                                 probs.data(), padded, out + b * H * D + h * G * D);
             } else {
@@ -694,7 +676,8 @@ int decode_step(const Layout& s, const int64_t* tokens, const int64_t* slots, co
         if (slots[b] < 0 || slots[b] >= s.capacity || slots[b] >= s.positions) return 4;
         if (s.window_keys && (s.recalled[b] < 0 || s.recalled[b] > s.window_capacity || s.recalled[b] > slots[b]))
             return 7;
-        if (s.ranked && (s.ranked[b] < 0 || s.ranked[b] > slots[b] || s.ranked[b] > 0xffff)) return 7;
+        if (s.ranked && (s.ranked[b] < 0 || s.ranked[b] > slots[b] || s.ranked[b] > 0xffff || (s.ranked[b] && !s.rank_keys)))
+            return 7;
     }
     const int threads = static_cast<int>(s.threads);
     const float eps = static_cast<float>(s.eps);

@@ -11,6 +11,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall, selection
 from h2o_cache.cache import BURST, FIRST, INTERVAL
+from h2o_cache.cache import _epochs as cache_epochs
 from h2o_cache.rope import rotate
 from h2o_cache.quantized import NativeStep
 from tests.conftest import ByteTokenizer, tiny_llama
@@ -621,7 +622,8 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
 def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_every_step(gguf_model):
     """With ranks the native step keeps each row's keys rotated to their ranks from call to call and
     rotates again only the slots whose token or rank changed (`NativeStep(ranks=True)`): its logits
-    are bit for bit those of the step that rotates every key at every call, through steps that
+    are bit for bit those of a step whose rows take a new epoch before every call, so that it rotates
+    every key at every call, through steps that
     choose and steps that do not, evictions, a bucket below the window copy's, rows that leave and
     rows that come in at a leaving row's index holding another sequence under the same origins (a
     new epoch: `H2OCache.epochs`)."""
@@ -630,8 +632,7 @@ def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_ever
     kept = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     every = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     assert kept.native._ranks is not None
-    every.native.layout.rank_keys = None  # the kernel rotates every key at every call
-    meta = kept.native._ranks[2]
+    meta, every_meta = kept.native._ranks[2], every.native._ranks[2]
     recalling_rows(gen, (70, 71, 72), [kept, every])
     reused = steps = 0
     for i in range(30):
@@ -642,10 +643,15 @@ def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_ever
         if i == 24:  # one row left: a bucket of 1 reads the fp32 window, not its copy
             for decoder in (kept, every):
                 decoder.cache.pop(0), decoder.cache.pop(0)
+        every.cache.epochs = [next(cache_epochs) for _ in every.cache.epochs]  # nothing it kept is read
         by_kept, by_every = kept.step(), every.step()
         assert torch.equal(by_kept, by_every)
         rows = kept.cache.batch_size
-        reused += int((meta[:, :rows, :, 2] < torch.tensor(kept.cache.lengths)[None, :, None]).sum())
+        lengths = torch.tensor(kept.cache.lengths)[None, :, None]
+        with_window = torch.tensor(every.cache.recalled)[None, :, None] > 0
+        epochs = torch.tensor(every.cache.epochs)[None, :, None]
+        assert bool(((every_meta[:, :rows, :, 0] == epochs) | ~with_window).all())  # every head read anew
+        reused += int((meta[:, :rows, :, 2] < lengths).sum())
         steps += 1
         for decoder in (kept, every):
             decoder.cache.pending = [[t] for t in by_every.argmax(dim=-1).tolist()]
