@@ -251,7 +251,7 @@ struct Layout {
     const int64_t* ranked;
     // Set wherever a row is `ranked`: the keys rotated to their ranks, kept from call to
     // call so that a row whose held tokens did not change reads them as they are (`keys`' shape and
-    // strides); `rank_tags` (`origins`' shape) says what each slot holds there: its origin << 17, 1 << 16
+    // strides; a head's window keys in fp16 at the start of its buffer: `ranked_front`); `rank_tags` (`origins`' shape) says what each slot holds there: its origin << 17, 1 << 16
     // for a window slot, its rank; `rank_meta` ([layers, rows, kv_heads, 4] contiguous, `rank_rows` rows)
     // what a row's head last read: the row's epoch, its window slots, its slots, its split (-1: nothing);
     // `rank_epochs` ([B]) each row's epoch now, which changes whenever the row may hold other tokens under
@@ -450,16 +450,21 @@ inline void held_ranks(const int64_t* origins, int64_t r, int64_t n, std::vector
 
 // Row b's held keys of KV head h at their ranks, from the kept `rank_keys` (see Layout), for the n
 // slots of a row with `held` window slots (read from `window_keys` where not null, else from `fed`; kept
-// rounded to fp16, as a window holds its keys at whatever position they are read):
+// in fp16, as a window holds its keys at whatever position they are read: window slot t's at element
+// t * D of the head's buffer read as fp16, i.e. in the first half of the window's fp32 slots, which no
+// own slot's key (at t * D as fp32, t >= held) overlaps; so the step reads the window's keys in half
+// the bytes, as the text layout reads its fp16 copy):
 // where the row's epoch and window are as the head last read them and its first `split` slots hold the
 // same origins (its newer slots then hold own tokens newer than every window token: ranks as slots),
 // as they are; else each slot whose origin, kind or rank changed rotated again. split: the slots
 // read from the result, the others at their slots from `rotated`.
 inline const float* ranked_front(const Layout& s, int64_t layer, int64_t b, int64_t h, int64_t held, int64_t n,
                                  const uint16_t* window_keys, const float* fed, const int64_t* origins,
-                                 std::vector<int64_t>& order, std::vector<int32_t>& ranks, int64_t& split) {
+                                 std::vector<int64_t>& order, std::vector<int32_t>& ranks, float* scratch,
+                                 int64_t& split) {
     const int64_t D = s.head_dim, cap = s.capacity;
     float* kept = s.rank_keys + layer * s.kv_layer_stride + b * s.kv_row_stride + h * cap * D;
+    uint16_t* kept16 = reinterpret_cast<uint16_t*>(kept);
     int64_t* tags = s.rank_tags + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
     int64_t* meta = s.rank_meta + ((layer * s.rank_rows + b) * s.kv_heads + h) * 4;
     const int64_t epoch = s.rank_epochs[b];
@@ -487,9 +492,13 @@ inline const float* ranked_front(const Layout& s, int64_t layer, int64_t b, int6
         if (known && tags[t] == tag) continue;
         const float* c = s.cos + ranks[t] * D;
         const float* si = s.sin + ranks[t] * D;
-        if (t < held && window_keys) rope8(window_keys + t * D, c, si, kept + t * D, D);
-        else rope8(fed + t * D, c, si, kept + t * D, D);
-        if (t < held) round_fp16(kept + t * D, D);
+        if (t < held) {  // through `scratch` into the fp16 half (see above)
+            if (window_keys) rope8(window_keys + t * D, c, si, scratch, D);
+            else rope8(fed + t * D, c, si, scratch, D);
+            narrow_fp16(scratch, kept16 + t * D, D);
+        } else {
+            rope8(fed + t * D, c, si, kept + t * D, D);
+        }
         tags[t] = tag;
     }
     meta[0] = epoch;
@@ -506,7 +515,7 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
     const float scaling = static_cast<float>(s.scaling);
 #pragma omp parallel num_threads(static_cast<int>(s.threads))
     {
-        std::vector<float> q(G * D), probs(G * padded);
+        std::vector<float> q(G * D), probs(G * padded), scratch(D);
         // with ranks: scratch kept by each thread from call to call
         static thread_local std::vector<int64_t> order;
         static thread_local std::vector<int32_t> ranks;
@@ -539,9 +548,10 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
                 const int64_t* row_origins = s.origins + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
                 int64_t split;
                 const float* front = ranked_front(s, layer, b, h, held, n, window_keys, s.keys + at, row_origins, order,
-                                                  ranks, split);
-                group_attention(q.data(), G, nullptr, 0, front, split, window_values, r, keys, values, n, D, scaling,
-                                probs.data(), padded, out + b * H * D + h * G * D);
+                                                  ranks, scratch.data(), split);
+                group_attention(q.data(), G, reinterpret_cast<const uint16_t*>(front), held, front, split,
+                                window_values, r, keys, values, n, D, scaling, probs.data(), padded,
+                                out + b * H * D + h * G * D);
             } else {
                 group_attention(q.data(), G, window_keys, r, keys, r, window_values, r, keys, values, n, D, scaling,
                                 probs.data(), padded, out + b * H * D + h * G * D);
