@@ -256,6 +256,16 @@ class H2OCache:
         if self.config.recalls and self.spec.dtype == torch.float32 and self._window_copy is None:
             self._window_copy = recall.WindowCopy(self, self._rows_capacity)
 
+    def ranked(self, row: int, n_new: int = 1) -> bool:
+        """Whether a pass feeding row `row` n_new tokens reads its held keys at their ranks in the order
+        of the text (`recall_positions` "rank"): a row with a window, in every prefill pass (n_new > 1)
+        and in its reply's first `recall_rank_steps` decode passes (None: all of them)."""
+        config = self.config
+        if config.recall_positions != "rank" or not self.recalled[row]:
+            return False
+        steps = config.recall_rank_steps
+        return n_new > 1 or steps is None or self.decoded[row] < steps
+
     def window_changed(self, row: int) -> None:
         """Row `row`'s window was written: its copy (where one is kept) is copied again before it is read."""
         if self._window_copy is not None:

@@ -88,6 +88,10 @@ class CacheConfig:
         keys as fed as the pass reads them (`recall.rank_rotated`, the native step, `decode_step`);
         the buffers keep the text layout. Measured in RESULTS.md, "Positions" and "Ranks at every
         pass" (better on long documents, ~0.1x of a step dearer: not the default).
+    recall_rank_steps: with "rank", a reply's first decode passes (after each prefill) that read the
+        held keys at their ranks, after which its passes read the text layout until the next prompt;
+        every prefill pass reads ranks (None: every pass). A reply's answer about a long prompt is
+        read at ranks, and a long reply's steps cost what the text layout's do.
     """
 
     policy: str = "h2o"
@@ -132,6 +136,7 @@ class CacheConfig:
     # continuations better and scores as the full cache on XSum (text: 0.018 better than that), but with
     # its choices churning the window it costs a step 1.24-1.32x at batch 8 against text's 1.19-1.21x
     recall_positions: str = "text"
+    recall_rank_steps: int | None = None
 
     def voter_layers(self, layers: int) -> list[int] | None:
         """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
@@ -176,6 +181,8 @@ class CacheConfig:
                 raise ValueError(f"recall_choices must be >= 1 or None, got {self.recall_choices}")
             if self.recall_burst < 0:
                 raise ValueError(f"recall_burst must be >= 0, got {self.recall_burst}")
+            if self.recall_rank_steps is not None and self.recall_rank_steps < 0:
+                raise ValueError(f"recall_rank_steps must be >= 0 or None, got {self.recall_rank_steps}")
         if self.recall_budget < 0:
             raise ValueError(f"recall_budget must be >= 0, got {self.recall_budget}")
         if not policy.evicts:

@@ -154,16 +154,17 @@ def decode_step(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     queries: torch.Tensor | None = None,
-    ranked: bool = False,
+    ranked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed tokens[b] to row b at slot slots[b], RoPE position positions[b]; rows are 0..B-1.
 
     tokens, slots, positions, origins: [B] int64 on the model's device; origins[b] is the token's
     index in row b's sequence. cos_table, sin_table: [P, D] fp32. queries: None, or [L, >= B, H_q, D]
     where each layer's queries before RoPE are left (what chooses a recall window, `h2o_cache.recall`).
-    ranked: every held key is read at its rank in the order of the text among its row's held tokens
-    (`recall_positions` "rank", `recall.held_ranks`), rotated from the keys as fed (rolling only;
-    a row without a recall window reads its slots, as before, and positions[b] must be slots[b]).
+    ranked: None, or [B] int64 on the device: where nonzero, every held key of row b is read at its rank
+    in the order of the text among the row's held tokens (`recall_positions` "rank", `H2OCache.ranked`,
+    `recall.held_ranks`), rotated from the keys as fed (rolling only; a row without a recall window
+    reads its slots, as before, and positions[b] must be slots[b]); the other rows read `rotated`.
     Returns fp32 logits [B, V]. Writes each row's new key/value and origin (and zeroes its score) at
     its slot, and adds each key's softmax weight, summed over the KV head's query group, to its score.
     """
@@ -197,9 +198,10 @@ def decode_step(
             fed, keys = keys, cache.rotated[layer, :b]
         keys.scatter_(2, write, qk[:, h_q:, None])
         values.scatter_(2, write, v[:, :, None])
-        if ranked and cache.rotated is not None:
+        if ranked is not None and cache.rotated is not None:
             window = None if cache.pinned is None else cache.pinned[layer, :b]
-            keys = ranked_keys(fed, cache.origins[layer, :b], visible, cos_table, sin_table, window).to(keys.dtype)
+            at_ranks = ranked_keys(fed, cache.origins[layer, :b], visible, cos_table, sin_table, window).to(keys.dtype)
+            keys = torch.where(ranked[:, None, None, None] != 0, at_ranks, keys)
 
         # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
         q = qk[:, :h_q].reshape(b * h_kv, group, d)

@@ -51,8 +51,7 @@ class _Choice(ctypes.Structure):
                    ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("archive_fp16", ctypes.c_int64),
                    ("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p),
                    ("window_layer_stride", ctypes.c_int64), ("window_head_stride", ctypes.c_int64),
-                   ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double),
-                   ("copy_fed", ctypes.c_int64)])
+                   ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double)])
 
 
 class _Placement(ctypes.Structure):
@@ -63,8 +62,7 @@ class _Placement(ctypes.Structure):
                                                         "row_ids", "recalled", "lengths")]
                 + [(name, ctypes.c_int64) for name in ("rows", "threads")]
                 + [("window_keys", ctypes.c_void_p)]
-                + [(name, ctypes.c_int64) for name in ("window_layer_stride", "window_row_stride", "window_head_stride",
-                                                       "copy_fed")])
+                + [(name, ctypes.c_int64) for name in ("window_layer_stride", "window_row_stride", "window_head_stride")])
 
 
 def supports(cache) -> bool:
@@ -265,8 +263,7 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         copy = cache.window_copy(current=False)  # kept equal to the window where it was: the kernel writes both
         if copy is not None:
             fields |= dict(window_keys=copy[0, first, row].data_ptr(), window_values=copy[1, first, row].data_ptr(),
-                           window_layer_stride=copy.stride(1), window_head_stride=copy.stride(3),
-                           copy_fed=int(cache.config.recall_positions == "rank"))
+                           window_layer_stride=copy.stride(1), window_head_stride=copy.stride(3))
     return _Choice(**fields), written, keep
 
 
@@ -289,7 +286,6 @@ def place(cache, rows: list[int]) -> None:
     if copy is not None:
         job.window_keys = copy[0].data_ptr()
         job.window_layer_stride, job.window_row_stride, job.window_head_stride = copy.stride(1), copy.stride(2), copy.stride(3)
-        job.copy_fed = int(cache.config.recall_positions == "rank")
     status = kernel().h2o_recall_place(ctypes.byref(job))
     if status:
         raise ValueError(f"the native placement refused its input (status {status})")

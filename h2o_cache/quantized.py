@@ -293,8 +293,8 @@ class NativeStep:
         """Logits [B, V] (a view of a buffer the next call overwrites) for int64 CPU tensors [B];
         recalled: each row's window slots, read from the window's copy (with `window`; else none);
         ranked: each row's window slots where every held key is read at its rank in the order of the
-        text (`recall_positions` "rank": rotated from the keys as fed, the window's from the copy where
-        `recalled` names it, which then holds them as fed; else none); epochs: with `ranks` and
+        text (`recall_positions` "rank": rotated from the keys as fed; the window's copy, which holds
+        the text layout, then gives only its values; else none); epochs: with `ranks` and
         `ranked`, each row's `H2OCache.epochs` entry (a row whose epoch changed holds other tokens)."""
         b = tokens.shape[0]
         self.recalled[:b] = 0

@@ -66,8 +66,8 @@ def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class WindowCopy:
-    """An fp16 copy of every row's recall window ([2, L, rows, H_kv, R, D]: rotated keys, or with
-    `recall_positions` "rank" the keys as fed; values), for
+    """An fp16 copy of every row's recall window ([2, L, rows, H_kv, R, D]: rotated keys as the text
+    layout places them, values), for
     the CPU's native decode step, which reads it instead of the fp32 window slots: the window's 128
     slots are a third of what a step reads of the cache, and at batch 8 about half of what they cost
     is reading them (`static.WINDOW_COPY_MIN_ROWS`: below 4 rows reading fp32 is faster). The copy
@@ -88,9 +88,8 @@ class WindowCopy:
         """The copy, every row's window copied again where it changed since."""
         for row in sorted(self.stale):
             r = cache.recalled[row] if row < cache.batch_size else 0
-            if r:  # with ranks the keys as fed, which the step rotates to their ranks itself
-                keys = cache._keys if cache.config.recall_positions == "rank" else cache._rotated
-                self.data[0, :, row, :, :r] = keys[:, row, :, :r]
+            if r:
+                self.data[0, :, row, :, :r] = cache._rotated[:, row, :, :r]
                 self.data[1, :, row, :, :r] = cache._values[:, row, :, :r]
         self.stale.clear()
         return self.data
@@ -377,7 +376,7 @@ def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch
     tokens are the row's newest, at their slots either way, as a decode step's query is. The window's
     keys are held as its keys always are (`stored`: in fp16 in an fp32 cache) after their rotation. The
     native decode step and `decode.decode_step` read the same ranks (`recall_positions` "rank")."""
-    rows = [row for row in range(keys.shape[0]) if cache.recalled[row] and step.n_new[row]]
+    rows = [row for row in range(keys.shape[0]) if step.n_new[row] and cache.ranked(row, step.n_new[row])]
     if not rows:
         return keys
     keys = keys.clone()

@@ -120,10 +120,11 @@ class StaticDecoder:
                                          ranks=config.recall_positions == "rank" and config.recalls)
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
-        # A bucket's tokens, slots and origins ([3, bucket]; with rolling a new token's RoPE position is
-        # its slot) are the first 3 x bucket values: the upload is one contiguous copy for every bucket.
-        self._inputs = torch.zeros(3 * max_rows, dtype=torch.int64, device=device)
-        self._staging = torch.zeros(3 * max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+        # A bucket's tokens, slots, origins and whether each row reads its keys at their ranks ([4, bucket];
+        # with rolling a new token's RoPE position is its slot) are the first 4 x bucket values: the upload
+        # is one contiguous copy for every bucket.
+        self._inputs = torch.zeros(4 * max_rows, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(4 * max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         if self.cuda_graphs:
@@ -158,10 +159,11 @@ class StaticDecoder:
         # the last step's upload has left the staging buffer (long since: its tokens were downloaded)
         if self._uploaded is not None and not self._uploaded.query():
             self._uploaded.synchronize()
-        staged = self._staging[:3 * bucket]
-        staged.view(3, bucket)[:, :rows] = torch.tensor([tokens, cache.lengths, cache.seen])
-        staged.view(3, bucket)[:, rows:] = 0  # padding rows write slot 0 of rows nobody uses
-        self._inputs[:3 * bucket].copy_(staged, non_blocking=True)
+        staged = self._staging[:4 * bucket]
+        ranked = [int(cache.ranked(row)) for row in range(rows)]
+        staged.view(4, bucket)[:, :rows] = torch.tensor([tokens, cache.lengths, cache.seen, ranked])
+        staged.view(4, bucket)[:, rows:] = 0  # padding rows write slot 0 of rows nobody uses
+        self._inputs[:4 * bucket].copy_(staged, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
         if self.cuda_graphs:
@@ -223,23 +225,26 @@ class StaticDecoder:
             cache.evict_over_budget()
 
     def inputs(self, bucket: int) -> torch.Tensor:
-        """[3, bucket] int64 on the device: the tokens, slots and origins a step of `bucket` rows reads."""
-        return self._inputs[:3 * bucket].view(3, bucket)
+        """[4, bucket] int64 on the device: the tokens, slots, origins and rank flags (1: the row reads its
+        held keys at their ranks, `H2OCache.ranked`) a step of `bucket` rows reads."""
+        return self._inputs[:4 * bucket].view(4, bucket)
 
     def _run(self, bucket: int) -> torch.Tensor:
-        tokens, slots, origins = self.inputs(bucket)
+        tokens, slots, origins, ranks = self.inputs(bucket)
         if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
             copy = self.native.window is not None and bucket >= WINDOW_COPY_MIN_ROWS
             if copy and self.cache.window_copy() is not self.native.window:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
-            ranked = self.cache.recalled if self.cache.config.recall_positions == "rank" else None
-            return self.native(tokens, slots, origins, self.cache.recalled if copy else None, ranked=ranked,
-                               epochs=self.cache.epochs)
+            cache = self.cache
+            ranked = ([cache.recalled[row] if cache.ranked(row) else 0 for row in range(cache.batch_size)]
+                      if cache.config.recall_positions == "rank" else None)
+            return self.native(tokens, slots, origins, cache.recalled if copy else None, ranked=ranked,
+                               epochs=cache.epochs)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
         return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin,
-                           self.queries, self.cache.config.recall_positions == "rank")
+                           self.queries, ranks if self.cache.config.recall_positions == "rank" else None)
 
     def _capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the

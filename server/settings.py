@@ -104,6 +104,10 @@ class ServerSettings(BaseSettings):
         "text", description="where RoPE reads the held keys of a conversation with a recall window: text, "
                             "own keys at their slots and recalled ones between them; rank, every held key at "
                             "its rank in the text, in every pass (a recalled phrase one position a word)")
+    recall_rank_steps: int | None = Field(
+        None, ge=0, le=1_000_000, description="with --recall-positions rank: a reply's first decode steps that read "
+                                              "the held keys at their ranks, then the text layout until the next "
+                                              "prompt (every prefill pass reads ranks); unset: every step")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
@@ -217,7 +221,8 @@ class ServerSettings(BaseSettings):
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
                            position_rolling=self.position_rolling, prefill_chunk=self.chunk,
                            recall_budget=self.recall, recall_block=self.recall_block, recall_digest=self.recall_digest,
-                           recall_positions=self.recall_positions, recall_archive=self.recall_archive, recall_probe=self.recall_probe,
+                           recall_positions=self.recall_positions, recall_rank_steps=self.recall_rank_steps,
+                           recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,

@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--history", type=int, default=2048, help="tokens each row consumed before the timed turn")
     parser.add_argument("--turn", type=int, default=64, help="tokens of the turn each decoding row starts with")
     parser.add_argument("--prompt", type=int, default=4096, help="tokens of the timed prefill")
+    parser.add_argument("--text", default=None,
+                        help="a text file whose tokens make the history and the turn (from its 1,000th token), so "
+                             "that the rows decode a continuation of real text; default: random tokens, on which "
+                             "attention is flatter and a choice keeps more of its window from step to step")
     parser.add_argument("--intervals", type=int, nargs="+", default=[4], help="recall_interval values to time (a row "
                         "decoding alone; with more rows, times their count, at most recall_interval_max)")
     parser.add_argument("--interval-max", type=int, default=CacheConfig.recall_interval_max,
@@ -142,6 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", action="store_true",
                         help="also time each interval and the prefill with recall_positions='rank' (every held key "
                              "read at its rank in the text)")
+    parser.add_argument("--rank-steps", type=int, nargs="+", default=[],
+                        help="also time each interval with recall_positions='rank' and recall_rank_steps K: ranks for "
+                             "a reply's first K steps, then the text layout (timed past the first --steps steps; "
+                             "a step within the first K costs what --ranks' does)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
@@ -153,7 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
     vocab = model.config.vocab_size
-    tokens = torch.randint(3, vocab, (args.history + args.turn,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            tokens = tokenizer(f.read())["input_ids"][1000:1000 + args.history + args.turn]
+        if len(tokens) < args.history + args.turn:
+            parser.error(f"--text holds {len(tokens) + 1000} tokens: fewer than 1,000 + --history + --turn")
+    else:
+        tokens = torch.randint(3, vocab, (args.history + args.turn,), generator=torch.Generator().manual_seed(0)).tolist()
     history, turn = tokens[:args.history], tokens[args.history:]
     configs = {"off": CacheConfig(budget=args.budget)}
     for k in args.intervals:
@@ -170,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
             configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
         if args.ranks:
             configs[f"on, every {k}, ranks"] = replace(configs[f"on, every {k}"], recall_positions="rank")
+        for steps in args.rank_steps:
+            configs[f"on, every {k}, ranks for {steps} steps"] = replace(configs[f"on, every {k}"], recall_positions="rank",
+                                                                          recall_rank_steps=steps)
     if args.breakdown:
         configs["on, never choosing"] = CacheConfig(budget=args.budget, recall_budget=args.recall,
                                                     recall_interval=1 << 30, recall_burst=0)
@@ -177,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = {name: conversation_row(gen, config, history) for name, config in configs.items()}
     archive = rows[f"on, every {args.intervals[0]}"].archives[0]
     setup = (f"{args.threads} threads, {next(model.parameters()).dtype}, {gen.spec.device.type}, budget {args.budget}, "
-             f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens")
+             f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens"
+             f"{' of ' + args.text if args.text else ' (random)'}")
 
     table, by_step = [], []
     for batch in args.batch_sizes:

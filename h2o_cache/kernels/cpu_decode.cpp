@@ -246,8 +246,8 @@ struct Layout {
     const int64_t* recalled;           // [B]: row b's window slots
     // May be null: else [B], row b's window slots when every held key is read at its rank in the order
     // of the text (`recall_positions` "rank"): row b's keys as fed (`keys`, `rotated` set) rotated to
-    // their ranks among its held tokens (`held_ranks`), the window's from its copy where `recalled`
-    // says so (which then holds them as fed); rows of 0 read `rotated` (their ranks are their slots).
+    // their ranks among its held tokens (`held_ranks`); rows of 0 read `rotated` and the window's copy
+    // (the text layout; a row without a window: ranks are slots).
     const int64_t* ranked;
     // Set wherever a row is `ranked`: the keys rotated to their ranks, kept from call to
     // call so that a row whose held tokens did not change reads them as they are (`keys`' shape and
@@ -449,7 +449,7 @@ inline void held_ranks(const int64_t* origins, int64_t r, int64_t n, std::vector
 }
 
 // Row b's held keys of KV head h at their ranks, from the kept `rank_keys` (see Layout), for the n
-// slots of a row with `held` window slots (read from `window_keys` where not null, else from `fed`; kept
+// slots of a row with `held` window slots (rotated from `fed`, the keys as fed; the window's kept
 // in fp16, as a window holds its keys at whatever position they are read: window slot t's at element
 // t * D of the head's buffer read as fp16, i.e. in the first half of the window's fp32 slots, which no
 // own slot's key (at t * D as fp32, t >= held) overlaps; so the step reads the window's keys in half
@@ -459,7 +459,7 @@ inline void held_ranks(const int64_t* origins, int64_t r, int64_t n, std::vector
 // as they are; else each slot whose origin, kind or rank changed rotated again. split: the slots
 // read from the result, the others at their slots from `rotated`.
 inline const float* ranked_front(const Layout& s, int64_t layer, int64_t b, int64_t h, int64_t held, int64_t n,
-                                 const uint16_t* window_keys, const float* fed, const int64_t* origins,
+                                 const float* fed, const int64_t* origins,
                                  std::vector<int64_t>& order, std::vector<int32_t>& ranks, float* scratch,
                                  int64_t& split) {
     const int64_t D = s.head_dim, cap = s.capacity;
@@ -493,8 +493,7 @@ inline const float* ranked_front(const Layout& s, int64_t layer, int64_t b, int6
         const float* c = s.cos + ranks[t] * D;
         const float* si = s.sin + ranks[t] * D;
         if (t < held) {  // through `scratch` into the fp16 half (see above)
-            if (window_keys) rope8(window_keys + t * D, c, si, scratch, D);
-            else rope8(fed + t * D, c, si, scratch, D);
+            rope8(fed + t * D, c, si, scratch, D);
             narrow_fp16(scratch, kept16 + t * D, D);
         } else {
             rope8(fed + t * D, c, si, kept + t * D, D);
@@ -543,12 +542,12 @@ void attend(const Layout& s, int64_t layer, const float* qkv, const int64_t* slo
             for (int64_t g = 0; g < G; ++g) rope(x + (h * G + g) * D, cos, sin, q.data() + g * D, D);
             const int64_t held = s.ranked && s.rotated ? s.ranked[b] : 0;  // window slots: keys read at their ranks
             if (held > 0 && held < n) {
-                // every held key as fed (the copy's too) rotated to its rank, but the own keys newer than
+                // every held key as fed rotated to its rank, but the own keys newer than
                 // every window key: their ranks are their slots, where `rotated` holds them
                 const int64_t* row_origins = s.origins + layer * s.origin_layer_stride + b * s.origin_row_stride + h * cap;
                 int64_t split;
-                const float* front = ranked_front(s, layer, b, h, held, n, window_keys, s.keys + at, row_origins, order,
-                                                  ranks, scratch.data(), split);
+                const float* front = ranked_front(s, layer, b, h, held, n, s.keys + at, row_origins, order, ranks,
+                                                  scratch.data(), split);
                 group_attention(q.data(), G, reinterpret_cast<const uint16_t*>(front), held, front, split,
                                 window_values, r, keys, values, n, D, scaling, probs.data(), padded,
                                 out + b * H * D + h * G * D);

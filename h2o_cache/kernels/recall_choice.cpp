@@ -70,7 +70,6 @@ struct Choice {
     const int64_t* voters;  // nullable: the layers (ascending, voter_layers of them) whose heads' attention
     int64_t voter_layers;   // votes; every head of every layer still takes its tokens by those votes
     double margin;          // a decode choice ranks a head's held tokens by their scores x (1 + margin)
-    int64_t copy_fed;       // the window's copy holds the keys as fed (cache_keys), not rotated
 };
 
 // Whether `voters` names at least one layer, each of the choice's, ascending.
@@ -655,7 +654,7 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
         round_fp16(c.cache_rotated + at + j * D, D);
         if (c.window_keys) {  // exact: both hold fp16 values
             const int64_t at16 = layer * c.window_layer_stride + h * c.window_head_stride + j * D;
-            narrow_fp16((c.copy_fed ? c.cache_keys : c.cache_rotated) + at + j * D, c.window_keys + at16, D);
+            narrow_fp16(c.cache_rotated + at + j * D, c.window_keys + at16, D);
             narrow_fp16(c.cache_values + at + j * D, c.window_values + at16, D);
         }
         cache_origins[j] = origins[token];
@@ -913,7 +912,6 @@ struct Placement {
     uint16_t* window_keys;      // nullable: the windows' fp16 copy of `rotated` (`recall.WindowCopy`), slot j
     int64_t window_layer_stride, window_row_stride, window_head_stride;  // of layer l, row, head h at
                                 // l * window_layer_stride + row * window_row_stride + h * window_head_stride + j * dim
-    int64_t copy_fed;           // the copy holds the keys as fed, which a placement does not change
 };
 
 int place(const Placement& p) {
@@ -930,7 +928,7 @@ int place(const Placement& p) {
             rotate_placed(p.keys + (base + j) * D, p.cos + at.slot * D, p.sin + at.slot * D, p.frequencies, at.share,
                           p.rotated + (base + j) * D, D);
             round_fp16(p.rotated + (base + j) * D, D);  // as every window key (`recall.stored`)
-            if (p.window_keys && !p.copy_fed)
+            if (p.window_keys)
                 narrow_fp16(p.rotated + (base + j) * D, p.window_keys + l * p.window_layer_stride
                             + p.row_ids[i] * p.window_row_stride + h * p.window_head_stride + j * D, D);
         }

@@ -55,7 +55,9 @@ def test_every_bucket_of_the_step_runs_without_host_reads_or_data_dependent_shap
     cache = decoder.cache
     rows = min(bucket, cache.batch_size)
     decoder._inputs.zero_()
-    decoder.inputs(bucket)[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen])[:, :rows]
+    ranked = [int(cache.ranked(row)) for row in range(cache.batch_size)]
+    decoder.inputs(bucket)[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen,
+                                                     ranked])[:, :rows]
     before = decoder.queries.clone()
     with HostReads() as mode:
         logits = decoder._run(bucket)

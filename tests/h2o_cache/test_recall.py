@@ -3,8 +3,8 @@ queries chose, per layer and KV head; nothing fed is lost or held twice; growing
 tokens; only changed slots are rewritten; both decode paths choose alike."""
 
 import random
-from dataclasses import replace
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -619,6 +619,44 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
     assert differ > 10 if positions == "rank" else differ == 0
 
 
+def test_ranks_for_a_replys_first_steps_then_the_text_layout_row_by_row(gguf_model):
+    """`recall_rank_steps` K: a row reads its held keys at their ranks in its reply's first K decode steps
+    after a prompt (bit for bit as with ranks at every step), then the text layout; rows at other steps
+    of their replies share a batch, each read its own way, and the native step agrees with the torch
+    step (`decode_step`'s per-row flags, as a CUDA graph runs it) all along."""
+    steps = 5
+    config = recall_config(recall_interval=2, recall_burst=2, recall_positions="rank", recall_rank_steps=steps)
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
+    ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
+    always = StaticDecoder(gguf_model, replace(config, recall_rank_steps=None), max_rows=4, exact=True)
+    recalling_rows(gen, (80, 81), [native, ops, always])
+    flags = []
+    call = NativeStep.__call__
+
+    def recording(step, tokens, slots, origins, recalled=None, ranked=None, epochs=None):
+        if step is native.native:
+            flags.append([int(r > 0) for r in ranked])
+        return call(step, tokens, slots, origins, recalled, ranked, epochs)
+
+    NativeStep.__call__ = recording
+    try:
+        for i in range(12):
+            if i == 3:  # a new reply joins: its first steps read ranks while the others' read the text
+                recalling_rows(gen, (82,), [native, ops, always])
+            by_native, by_ops, by_always = native.step(), ops.step(), always.step()
+            torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+            if i < steps:  # every row in its first steps: as with ranks at every step
+                assert torch.equal(by_native, by_always)
+            for decoder in (native, ops, always):
+                decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
+    finally:
+        NativeStep.__call__ = call
+    expected = [[int(k < steps)] * 2 + ([int(k - 3 < steps)] if k >= 3 else []) for k in range(12)]
+    assert flags == expected
+    assert not torch.equal(native.step(), always.step())  # past the first steps the layouts differ
+
+
 def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_every_step(gguf_model):
     """With ranks the native step keeps each row's keys rotated to their ranks from call to call and
     rotates again only the slots whose token or rank changed (`NativeStep(ranks=True)`): its logits
@@ -665,8 +703,8 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
     """The native step reads each row's window from the cache's fp16 copy (`recall.WindowCopy`): at
     every call, choices, evictions, rows popped and rows added included, the copy equals the window's
     rotated keys and values bit for bit (they are fp16 values: `recall.stored`), and the step's logits
-    are the torch ops' over the fp32 window. With ranks the copy holds the keys as fed (the step
-    rotates them to their ranks), the kernel's choices writing them so and its placements leaving them."""
+    are the torch ops' over the fp32 window. With ranks too the copy holds the text layout's rotated
+    keys (a row that reads at ranks rotates its keys as fed itself and reads only the copy's values)."""
     config = recall_config(recall_interval=3, recall_positions=positions)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
@@ -678,7 +716,7 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
     def checking(step, tokens, slots, origins, recalled=None, ranked=None, epochs=None):
         cache = native.cache
         assert (ranked is not None) == (positions == "rank")
-        keys = cache._keys if positions == "rank" else cache._rotated
+        keys = cache._rotated
         if recalled is None:  # a bucket too small to read the copy: the fp32 window, the same values
             checked.append(None)
             return call(step, tokens, slots, origins, recalled, ranked, epochs)
