@@ -82,12 +82,13 @@ class CacheConfig:
         runs on the same cores as the choice.
     recall_kernel: a decode step's choice over all layers runs in one C++ call on the CPU
         (`h2o_cache.native_recall`) where it can; False keeps the torch ops (the reference).
-    recall_positions: where a row's held keys stand for RoPE (`POSITIONS`): "text" (the default
-        layout) or "rank", every held key at its rank in the order of the text, so that a recalled
-        phrase keeps one position per word, in every pass of a row with a window, rotated from the
-        keys as fed as the pass reads them (`recall.rank_rotated`, the native step, `decode_step`);
-        the buffers keep the text layout. Measured in RESULTS.md, "Positions" and "Ranks at every
-        pass" (better on long documents, ~0.1x of a step dearer: not the default).
+    recall_positions: where a row's held keys stand for RoPE (`POSITIONS`): "text" (own keys at their
+        slots, recalled ones between them) or "rank" (the default), every held key at its rank in the
+        order of the text, so that a recalled phrase keeps one position per word, in the passes that
+        `recall_rank_steps` names, rotated from the keys as fed as the pass reads them
+        (`recall.rank_rotated`, the native step, `decode_step`); the buffers keep the text layout.
+        Measured in RESULTS.md, "Positions", "Ranks at every pass" and "Ranks for a reply's first 32
+        steps" (better on long documents; a step at ranks ~0.15x of a step dearer).
     recall_rank_steps: with "rank", a reply's first decode passes (after each prefill) that read the
         held keys at their ranks, after which its passes read the text layout until the next prompt;
         every prefill pass reads ranks (None: every pass). A reply's answer about a long prompt is
@@ -132,11 +133,13 @@ class CacheConfig:
     recall_choices: int | None = None
     recall_overlap: bool | None = None
     recall_kernel: bool = True
-    # measured (RESULTS.md, "Ranks kept from step to step"): "rank" reads 4k documents and long
-    # continuations better and scores as the full cache on XSum (text: 0.018 better than that), but with
-    # its choices churning the window it costs a step 1.24-1.32x at batch 8 against text's 1.19-1.21x
-    recall_positions: str = "text"
-    recall_rank_steps: int | None = None
+    # measured (RESULTS.md, "Ranks for a reply's first 32 steps"): ranks in every prefill pass and a
+    # reply's first 32 steps find a code said once in ~4k-token messages 25 times in 36 (as ranks at every
+    # step; text: 18), list 51 of 60 (text 50), score long continuations as the text layout (-0.0007
+    # [-0.0085, +0.0085]) and XSum as the full cache (text: 0.017 better than that); the steps after the
+    # 32nd cost what the text layout's do (ranks at every step: 1.44x at batch 1 on real text, 1.27x at 8)
+    recall_positions: str = "rank"
+    recall_rank_steps: int | None = 32
 
     def voter_layers(self, layers: int) -> list[int] | None:
         """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
@@ -247,6 +250,11 @@ class CacheConfig:
     @property
     def recalls(self) -> bool:
         return self.recall_budget > 0
+
+    @property
+    def ranks(self) -> bool:
+        """Whether rows with a recall window read their held keys at their ranks in some passes."""
+        return self.recalls and self.recall_positions == "rank"
 
     def describe(self) -> str:
         if not self.evicts:

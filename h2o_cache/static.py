@@ -117,7 +117,7 @@ class StaticDecoder:
                 self.native = NativeStep(*args, max_rows=max_rows, queries=self.queries,
                                          activations=EXACT if exact else fastest_activations(),
                                          window=self.cache.window_copy(),
-                                         ranks=config.recall_positions == "rank" and config.recalls)
+                                         ranks=config.ranks)
         if native and self.native is None:
             raise ValueError("the native step needs a model whose every matrix is Q4_1 / Q8_0 blocks, and the kernel")
         # A bucket's tokens, slots, origins and whether each row reads its keys at their ranks ([4, bucket];
@@ -237,14 +237,14 @@ class StaticDecoder:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
             cache = self.cache
             ranked = ([cache.recalled[row] if cache.ranked(row) else 0 for row in range(cache.batch_size)]
-                      if cache.config.recall_positions == "rank" else None)
+                      if cache.config.ranks else None)
             return self.native(tokens, slots, origins, cache.recalled if copy else None, ranked=ranked,
                                epochs=cache.epochs)
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
         return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin,
-                           self.queries, ranks if self.cache.config.recall_positions == "rank" else None)
+                           self.queries, ranks if self.cache.config.ranks else None)
 
     def _capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the

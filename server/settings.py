@@ -100,14 +100,16 @@ class ServerSettings(BaseSettings):
     recall_digest: Literal["mean", "minmax"] = Field(
         "mean", description="what ranks the archived blocks before their keys are read: mean, their keys' mean "
                             "-/+ mean deviation (ArkVale); minmax, their min and max (Quest)")
-    recall_positions: Literal["text", "rank"] = Field(
-        "text", description="where RoPE reads the held keys of a conversation with a recall window: text, "
-                            "own keys at their slots and recalled ones between them; rank, every held key at "
-                            "its rank in the text, in every pass (a recalled phrase one position a word)")
-    recall_rank_steps: int | None = Field(
-        None, ge=0, le=1_000_000, description="with --recall-positions rank: a reply's first decode steps that read "
-                                              "the held keys at their ranks, then the text layout until the next "
-                                              "prompt (every prefill pass reads ranks); unset: every step")
+    recall_positions: Literal["text", "rank"] | None = Field(
+        None, description="where RoPE reads the held keys of a conversation with a recall window: text, own keys "
+                          "at their slots and recalled ones between them; rank, every held key at its rank in "
+                          "the text (a recalled phrase one position a word) in every prefill pass and a reply's "
+                          "first --recall-rank-steps; unset: rank on the CPU, text on a GPU, whose captured step "
+                          "would rank every row's keys at every step (not measured there)")
+    recall_rank_steps: int = Field(
+        32, ge=0, le=1_000_000, description="with --recall-positions rank: a reply's first decode steps that read "
+                                            "the held keys at their ranks, then the text layout until the next "
+                                            "prompt (every prefill pass reads ranks; 1000000: every step)")
     recall_archive: int = Field(
         16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
@@ -217,11 +219,12 @@ class ServerSettings(BaseSettings):
         """The caches' settings for a model on `device` (the type: "cpu", "cuda"), which sets
         --recall-choices' default."""
         choices = self.recall_choices if self.recall_choices is not None else (1 if device == "cuda" else None)
+        positions = self.recall_positions or ("text" if device == "cuda" else "rank")
         return CacheConfig(policy=self.policy, budget=self.kv_budget, heavy_ratio=self.heavy_ratio,
                            sink_tokens=self.sink_tokens, evict_slack=self.evict_slack,
                            position_rolling=self.position_rolling, prefill_chunk=self.chunk,
                            recall_budget=self.recall, recall_block=self.recall_block, recall_digest=self.recall_digest,
-                           recall_positions=self.recall_positions, recall_rank_steps=self.recall_rank_steps,
+                           recall_positions=positions, recall_rank_steps=self.recall_rank_steps,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,

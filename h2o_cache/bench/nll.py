@@ -211,11 +211,11 @@ def interval_label(budget: int, recall: int, interval: int, voters: int, overlap
     """`h2o B +rN every K`, ` voters V` where V layers vote in the choices after the burst,
     ` beside` / ` before` where the fast step's choices run beside / before the step (`recall_overlap`),
     ` margin M` where a decode choice favours held tokens by M (`recall_margin`; none: the default),
-    and ` ranks` where the held keys are read at their ranks (`recall_positions` "rank")."""
+    and ` text` / ` rank` where the held keys' layout (`recall_positions`) is not the default's."""
     label = f"h2o {budget} +r{recall} every {interval}" + (f" voters {voters}" if voters else "")
     label += "" if overlap is None else " beside" if overlap else " before"
     label += "" if margin is None else f" margin {margin:g}"
-    return label + (" ranks" if positions == "rank" else "")
+    return label + ("" if positions in (None, CacheConfig.recall_positions) else f" {positions}")
 
 
 def grid(policies: list[str], budgets: list[int], heavy_ratio: float = 0.5, recall: int = 0,

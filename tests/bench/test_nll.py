@@ -203,11 +203,11 @@ def test_recall_intervals_run_each_configuration_once_per_interval_and_pair_with
         ("h2o 256 +r128 every 1 voters 5 margin 0", 0.0), ("h2o 256 +r128 every 1 voters 5 margin 0.3", 0.3)]
     runs = grid(["h2o"], [256], recall=128, recall_budgets=[256], intervals=[1], voters=[5], positions=["text", "rank"])
     assert [(r.label, r.config.recall_positions) for r in runs if "+r" in r.label] == [
-        ("h2o 256 +r128 every 1 voters 5", "text"), ("h2o 256 +r128 every 1 voters 5 ranks", "rank")]
+        ("h2o 256 +r128 every 1 voters 5 text", "text"), ("h2o 256 +r128 every 1 voters 5", "rank")]  # rank: the default
     tokens = torch.tensor([10.0, 20.0, 30.0])
     full = torch.tensor([20.0, 40.0, 60.0])
     default = interval_label(256, 128, CacheConfig.recall_interval, CacheConfig.recall_voters)
-    ranked = f"{default} ranks"
+    ranked = f"{default} text"
     assert interval_differences({default: full, ranked: full + tokens * 0.01}, tokens) == [
         f"- {ranked} - {default}: +0.0100 [+0.0100, +0.0100] nats/token (negative: better than the default)"]
     other = "h2o 256 +r128 every 7 margin 0"  # an interval and margin other than the default's

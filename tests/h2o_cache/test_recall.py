@@ -28,9 +28,11 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def recall_config(**overrides) -> CacheConfig:
+    """A small recall config; the text layout unless told (the tests of ranks say so)."""
     settings = dict(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8,
                     recall_budget=16, recall_block=4, recall_probe=6, recall_archive=256, recall_interval=1,
-                    recall_interval_max=1)  # the interval does not grow with the rows
+                    recall_interval_max=1,  # the interval does not grow with the rows
+                    recall_positions="text")
     return CacheConfig(**{**settings, **overrides})
 
 
@@ -594,13 +596,14 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
     """The native step and `decode_step` give the same logits, queries and windows, with the text
     layout and with every held key read at its rank (each rotates the keys as fed to their ranks
     itself; the text layout's logits differ from the ranks')."""
-    config = recall_config(recall_positions=positions)
+    config = recall_config(recall_positions=positions, recall_rank_steps=None)  # ranks: at every step
     gen = Generator(gguf_model, ByteTokenizer(), config)
     native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
     assert native.native is not None and ops.native is None
     recalling_rows(gen, (50, 51, 52), [native, ops])  # a bucket of 4 with a padding row
-    text = StaticDecoder(gguf_model, recall_config(), max_rows=4, exact=True) if positions == "rank" else None
+    text = (StaticDecoder(gguf_model, recall_config(recall_positions="text"), max_rows=4, exact=True)
+            if positions == "rank" else None)
     if text is not None:
         recalling_rows(gen, (50, 51, 52), [text])
     differ = 0
@@ -665,7 +668,7 @@ def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_ever
     choose and steps that do not, evictions, a bucket below the window copy's, rows that leave and
     rows that come in at a leaving row's index holding another sequence under the same origins (a
     new epoch: `H2OCache.epochs`)."""
-    config = recall_config(recall_interval=3, recall_burst=2, recall_positions="rank")
+    config = recall_config(recall_interval=3, recall_burst=2, recall_positions="rank", recall_rank_steps=None)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     kept = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
     every = StaticDecoder(gguf_model, config, max_rows=4, exact=True)

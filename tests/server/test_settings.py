@@ -65,8 +65,12 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     assert parse("--recall-voters", "3").cache_config().recall_voters == 3
     assert parse().cache_config().recall_digest == "mean"
     assert parse("--recall-digest", "minmax").cache_config().recall_digest == "minmax"
-    assert parse().cache_config().recall_positions == "text"
-    assert parse("--recall-positions", "rank").cache_config().recall_positions == "rank"
+    # ranks for a reply's first 32 steps on the CPU; the text layout on a GPU unless told
+    assert (parse().cache_config().recall_positions, parse().cache_config().recall_rank_steps) == ("rank", 32)
+    assert parse().cache_config("cuda").recall_positions == "text"
+    assert parse("--recall-positions", "rank").cache_config("cuda").recall_positions == "rank"
+    assert parse("--recall-positions", "text").cache_config().recall_positions == "text"
+    assert parse("--recall-rank-steps", "0").cache_config().recall_rank_steps == 0
     assert parse("--recall-voters", "0").cache_config().recall_voters == 0
 
 
