@@ -260,10 +260,9 @@ class H2OCache:
         """Whether a pass feeding row `row` n_new tokens reads its held keys at their ranks in the order
         of the text (`recall_positions` "rank"): a row with a window, in every prefill pass (n_new > 1)
         and in its reply's first `recall_rank_steps` decode passes (None: all of them)."""
-        config = self.config
-        if config.recall_positions != "rank" or not self.recalled[row]:
+        if not self.config.ranks or not self.recalled[row]:
             return False
-        steps = config.recall_rank_steps
+        steps = self.config.recall_rank_steps
         return n_new > 1 or steps is None or self.decoded[row] < steps
 
     def window_changed(self, row: int) -> None:

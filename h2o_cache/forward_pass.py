@@ -156,7 +156,7 @@ def attend(cache: H2OCache, step: Step, layer: int, query: torch.Tensor, keys: t
         rows, last = step.fed
         cache._queries[layer, rows] = plain[rows, :, last].to(cache._queries.dtype)
         _choose(cache, step, layer, plain, scaling)
-        if cache.config.recall_positions == "rank":
+        if cache.config.ranks:
             keys = recall.rank_rotated(cache, step, layer, keys)
     if not cache.policy.needs_scores:
         out = F.scaled_dot_product_attention(

@@ -235,8 +235,8 @@ class StaticDecoder:
             copy = self.native.window is not None and bucket >= WINDOW_COPY_MIN_ROWS
             if copy and self.cache.window_copy() is not self.native.window:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
-            cache = self.cache
-            ranked = ([cache.recalled[row] if cache.ranked(row) else 0 for row in range(cache.batch_size)]
+            cache = self.cache  # the rows' rank flags as staged for this step (a CPU tensor here)
+            ranked = ([r if flag else 0 for r, flag in zip(cache.recalled, ranks.tolist())]
                       if cache.config.ranks else None)
             return self.native(tokens, slots, origins, cache.recalled if copy else None, ranked=ranked,
                                epochs=cache.epochs)

@@ -251,7 +251,8 @@ struct Layout {
     const int64_t* ranked;
     // Set wherever a row is `ranked`: the keys rotated to their ranks, kept from call to
     // call so that a row whose held tokens did not change reads them as they are (`keys`' shape and
-    // strides; a head's window keys in fp16 at the start of its buffer: `ranked_front`); `rank_tags` (`origins`' shape) says what each slot holds there: its origin << 17, 1 << 16
+    // strides; a head's window keys in fp16 at the start of its buffer: `ranked_front`); `rank_tags`
+    // (`origins`' shape) says what each slot holds there: its origin << 17, 1 << 16
     // for a window slot, its rank; `rank_meta` ([layers, rows, kv_heads, 4] contiguous, `rank_rows` rows)
     // what a row's head last read: the row's epoch, its window slots, its slots, its split (-1: nothing);
     // `rank_epochs` ([B]) each row's epoch now, which changes whenever the row may hold other tokens under

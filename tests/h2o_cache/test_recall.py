@@ -622,7 +622,7 @@ def test_the_native_step_leaves_decode_step_s_queries_and_chooses_the_same_windo
     assert differ > 10 if positions == "rank" else differ == 0
 
 
-def test_ranks_for_a_replys_first_steps_then_the_text_layout_row_by_row(gguf_model):
+def test_ranks_for_a_replys_first_steps_then_the_text_layout_row_by_row(gguf_model, monkeypatch):
     """`recall_rank_steps` K: a row reads its held keys at their ranks in its reply's first K decode steps
     after a prompt (bit for bit as with ranks at every step), then the text layout; rows at other steps
     of their replies share a batch, each read its own way, and the native step agrees with the torch
@@ -642,19 +642,16 @@ def test_ranks_for_a_replys_first_steps_then_the_text_layout_row_by_row(gguf_mod
             flags.append([int(r > 0) for r in ranked])
         return call(step, tokens, slots, origins, recalled, ranked, epochs)
 
-    NativeStep.__call__ = recording
-    try:
-        for i in range(12):
-            if i == 3:  # a new reply joins: its first steps read ranks while the others' read the text
-                recalling_rows(gen, (82,), [native, ops, always])
-            by_native, by_ops, by_always = native.step(), ops.step(), always.step()
-            torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
-            if i < steps:  # every row in its first steps: as with ranks at every step
-                assert torch.equal(by_native, by_always)
-            for decoder in (native, ops, always):
-                decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
-    finally:
-        NativeStep.__call__ = call
+    monkeypatch.setattr(NativeStep, "__call__", recording)
+    for i in range(12):
+        if i == 3:  # a new reply joins: its first steps read ranks while the others' read the text
+            recalling_rows(gen, (82,), [native, ops, always])
+        by_native, by_ops, by_always = native.step(), ops.step(), always.step()
+        torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        if i < steps:  # every row in its first steps: as with ranks at every step
+            assert torch.equal(by_native, by_always)
+        for decoder in (native, ops, always):
+            decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
     expected = [[int(k < steps)] * 2 + ([int(k - 3 < steps)] if k >= 3 else []) for k in range(12)]
     assert flags == expected
     assert not torch.equal(native.step(), always.step())  # past the first steps the layouts differ
