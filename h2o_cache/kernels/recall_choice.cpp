@@ -16,8 +16,8 @@
 // the vote of its original position modulo `positions`; each position's vote plus the votes of the
 // positions within `span` of it (summed in fp64, as `selection.span_votes`) scores every archived
 // token of every head, and each head takes its `window` tokens of most score (ties: the lower index),
-// in ascending order: by walking the voted positions from the best until it has them (`best_by_walk`),
-// or, where that cannot decide, by ranking all its tokens (`best_by_scan`). A slot whose token `held`
+// in ascending order: by ranking only its tokens at the few hundred positions of the best scores
+// (`best_above`), or, where those cannot decide, all its tokens (`best_by_scan`). A slot whose token `held`
 // names is among them keeps it; the other slots take the tokens not held yet (`recall.assign`): key,
 // value and origin copied from the archive, the key rotated to where its token stood in the text among
 // the row's own tokens (slots window .. length - 1; `recall.text_positions`), score 0. A slot that
@@ -314,32 +314,36 @@ void best_of(const float* score, int64_t n, int64_t k, std::vector<uint64_t>& ke
     best_of_keys(keys, n, k, passed, out);
 }
 
-// The shared scores of a decode choice, for each head to take its tokens by: the positions with a
-// positive score as `rank_key`s, most first (`size` of them: all of them where complete, else the
-// best), every position's score, the mask that maps an origin to its position, and the factor of a
-// held token's score.
+// The shared scores of a decode choice, for each head to take its tokens by: every position's score,
+// the positions of a score above `threshold` as a bitmap (bit p of above[p / 64]; `rank_positions`),
+// the mask that maps an origin to its position, and the factor of a held token's score.
 struct Ranked {
-    const uint64_t* order;
-    int64_t size;
-    bool complete;
+    const uint64_t* above;
     const float* score;
     int64_t mask;
     float bonus;
 };
 
-// The positions first .. last of a positive score[p], as `rank_key`s into order, the best `want` of them
-// (all where want >= their count) sorted most first at the front: the prefix that heads walk (they
-// rarely need more than their window's r and what they hold themselves). score[p] is the score of
-// origins p modulo mask + 1; a held token's counts `bonus` times.
+// The positions first .. last of a positive score[p] (score[p]: the score of origins p modulo
+// mask + 1; a held token's counts `bonus` times) marked in `above` where their score is above a
+// threshold: 0 where at most `want` positions score, else the score of the want-th best, so that at
+// most `want` are marked (heads rarely need more than their window's r and what they hold themselves).
+// Every position above the threshold is marked, and none at or below it: a head's tokens at the marked
+// positions are all its tokens of a score above the threshold (`best_above`).
 Ranked rank_positions(const float* score, int64_t first, int64_t last, int64_t want, int64_t mask, float bonus,
-                      std::vector<uint64_t>& order) {
-    order.clear();
+                      std::vector<float>& scores, std::vector<uint64_t>& above) {
+    above.assign((mask + 64) / 64, 0);
+    scores.clear();
     for (int64_t p = first; p <= last; ++p)
-        if (score[p] > 0.0f) order.push_back(rank_key(score[p], p));
-    const int64_t size = static_cast<int64_t>(order.size()), ordered = std::min(want, size);
-    std::nth_element(order.begin(), order.begin() + ordered, order.end(), std::greater<uint64_t>());
-    std::sort(order.begin(), order.begin() + ordered, std::greater<uint64_t>());
-    return {order.data(), ordered, ordered == size, score, mask, bonus};
+        if (score[p] > 0.0f) scores.push_back(score[p]);
+    float threshold = 0.0f;
+    if (want < static_cast<int64_t>(scores.size())) {
+        std::nth_element(scores.begin(), scores.begin() + (want - 1), scores.end(), std::greater<float>());
+        threshold = scores[want - 1];
+    }
+    for (int64_t p = first; p <= last; ++p)
+        if (score[p] > threshold) above[p >> 6] |= 1ull << (p & 63);
+    return {above.data(), score, mask, bonus};
 }
 
 // flag[t] = to for every token t of held[0..r) that is one of the n (-1 or beyond: none).
@@ -348,12 +352,12 @@ inline void mark_held(uint8_t* flag, const int64_t* held, int64_t r, int64_t n, 
         if (held[j] >= 0 && held[j] < n) flag[held[j]] = to;
 }
 
-// One thread's scratch for heads taking their tokens: ranking keys, a position's token of the head at
-// hand (`stamp`: the head's generation in the high 32 bits, the token in the low), held-token flags.
+// One thread's scratch for heads taking their tokens: ranking keys, the tokens at marked positions,
+// held-token flags (zero between calls).
 struct HeadScratch {
-    std::vector<uint64_t> keys, passed, stamp;
+    std::vector<uint64_t> keys, passed, held, chosen;
+    std::vector<int64_t> hits;
     std::vector<uint8_t> flag;
-    uint32_t generation = 0;
 };
 
 inline uint64_t token_key(const Ranked& s, const int64_t* origins, int64_t t, bool held) {
@@ -374,78 +378,63 @@ void best_by_scan(const Ranked& s, const int64_t* origins, int64_t n, const int6
     best_of_keys(h.keys, n, r, h.passed, out);
 }
 
-// The same tokens as `best_by_scan`, found by walking the positions in `order` (most score first) and
-// taking the head's tokens at them: the r best that it does not hold, with every token tied with the
-// last of them, and (with a bonus) every token it holds, ranked together. A head's tokens lie at ~n of
-// the positions voted for, so the walk stops after ~r of them instead of ranking all n. Returns false,
-// having written nothing, where the walk cannot decide: two of the head's tokens at one position (a
-// conversation longer than the positions), fewer than r tokens it does not hold at a voted position
-// (the rest tie at score 0, where the lower index decides), or an order cut short before it decided.
-bool best_by_walk(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
-                  int64_t* out) {
-    if (h.stamp.size() != static_cast<size_t>(s.mask + 1)) h.stamp.assign(s.mask + 1, 0);
-    if (++h.generation == 0) {  // the stamps wrapped: none may look current
-        std::fill(h.stamp.begin(), h.stamp.end(), 0);
-        h.generation = 1;
-    }
-    h.flag.resize(n);
-    // locals, not members: a store through the stamps or the flags may alias anything read through s or h
-    uint64_t* const stamp = h.stamp.data();
-    uint8_t* const flag = h.flag.data();
-    const uint64_t current = static_cast<uint64_t>(h.generation) << 32, high = ~0xFFFFFFFFull;
+// The same tokens as `best_by_scan`, ranking only the head's tokens at the marked positions (those of a
+// score above the threshold: ~the threshold's `want` of them, not all n) that it does not hold, and
+// (with a bonus) every token it holds. Where at least r tokens it does not hold score above the
+// threshold, every other token it does not hold scores at most the threshold, below all of them, and
+// cannot be among the r best: the same tokens as ranking them all, whatever the positions (two of its
+// tokens at one position of a conversation longer than the positions rank as the scan ranks them).
+// Returns false, having written nothing, where fewer than r do (the rest tie at or below the
+// threshold, where the lower index decides).
+bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
+                int64_t* out) {
+    const int64_t words = (n + 63) / 64;
+    h.held.assign(words, 0);
+    h.chosen.assign(words, 0);
+    h.hits.resize(n);
+    // locals, not members: a store through the hits or the bits may alias anything read through s or h
+    uint64_t* const held_bits = h.held.data();
+    uint64_t* const chosen = h.chosen.data();
+    int64_t* const hits = h.hits.data();
+    const uint64_t* const above = s.above;
     const int64_t mask = s.mask;
-    for (int64_t t = 0; t < n; ++t) {
-        uint64_t& at = stamp[origins[t] & mask];
-        if ((at & high) == current) return false;
-        at = current | static_cast<uint64_t>(t);
-    }
     const bool favour = s.bonus != 1.0f;
-    if (favour) mark_held(flag, held, r, n, 1);
-    h.keys.clear();
-    int64_t taken = 0;
-    bool decided = false;
-    const uint64_t* const order = s.order;
-    const int64_t size = s.size;
-    for (int64_t i = 0; i < size; ++i) {
-        const uint64_t at = stamp[key_index(order[i])];
-        if ((at & high) == current) {
-            const int64_t t = static_cast<int64_t>(at & 0xFFFFFFFFull);
-            if (!(favour && flag[t])) {
-                h.keys.push_back(rank_key(s.score[origins[t] & mask], t));
-                ++taken;
-            }
-        }
-        // a score's tokens all go in together: the index decides among them (past a cut order, the
-        // next score is not known)
-        if (taken >= r && (i + 1 == size ? s.complete : (order[i + 1] >> 32) != (order[i] >> 32))) {
-            decided = true;
-            break;
-        }
-    }
-    if (!decided) {
-        if (favour) mark_held(flag, held, r, n, 0);
-        return false;
-    }
-    if (favour) {
+    if (favour)
         for (int64_t j = 0; j < r; ++j)
-            if (held[j] >= 0 && held[j] < n && flag[held[j]]) {
-                flag[held[j]] = 0;  // once, and cleared
-                h.keys.push_back(token_key(s, origins, held[j], true));
-            }
+            if (held[j] >= 0 && held[j] < n) held_bits[held[j] >> 6] |= 1ull << (held[j] & 63);
+    // the tokens at marked positions, 64 at a time as the bits of a word (no branch per token), less
+    // those held, then each set bit's token
+    int64_t count = 0;
+    for (int64_t w = 0; w < words; ++w) {
+        const int64_t first = w * 64, m = std::min<int64_t>(64, n - first);
+        uint64_t word = 0;
+        for (int64_t i = 0; i < m; ++i) {
+            const uint64_t p = static_cast<uint64_t>(origins[first + i] & mask);
+            word |= ((above[p >> 6] >> (p & 63)) & 1) << i;
+        }
+        for (word &= ~held_bits[w]; word; word &= word - 1) hits[count++] = first + __builtin_ctzll(word);
     }
-    // the r best of ~r + what the head holds, then their indices in ascending order by flags over n
+    if (count < r) return false;
+    h.keys.resize(count);
+    for (int64_t i = 0; i < count; ++i) h.keys[i] = rank_key(s.score[origins[hits[i]] & mask], hits[i]);
+    if (favour) {
+        for (int64_t j = 0; j < r; ++j) {
+            const int64_t t = held[j];
+            if (t >= 0 && t < n && (held_bits[t >> 6] >> (t & 63) & 1)) {
+                held_bits[t >> 6] &= ~(1ull << (t & 63));  // once
+                h.keys.push_back(token_key(s, origins, t, true));
+            }
+        }
+    }
+    // the r best of ~want + what the head holds, then their indices in ascending order by their bits
     std::nth_element(h.keys.begin(), h.keys.begin() + (r - 1), h.keys.end(), std::greater<uint64_t>());
-    int64_t last = 0;
     for (int64_t j = 0; j < r; ++j) {
         const int64_t t = key_index(h.keys[j]);
-        flag[t] = 1;
-        last = std::max(last, t);
+        chosen[t >> 6] |= 1ull << (t & 63);
     }
-    for (int64_t t = 0, k = 0; t <= last; ++t) {  // no branch: every index written, the count moved by the flagged
-        out[k] = t;
-        k += flag[t];
-        flag[t] = 0;
-    }
+    int64_t k = 0;
+    for (int64_t w = 0; w < words; ++w)
+        for (uint64_t word = chosen[w]; word; word &= word - 1) out[k++] = w * 64 + __builtin_ctzll(word);
     return true;
 }
 
@@ -748,16 +737,18 @@ int choose(const Choice& c, int32_t* written) {
         // a token the head holds is ranked by its score x (1 + margin), rounded to fp32 as the torch ops
         // round it (`archive._favour_held`): a held token stays unless another beats it by the margin
         const float bonus = static_cast<float>(1.0 + c.margin);
-        // the voted positions, most score first: every head walks them for its tokens (`best_by_walk`)
-        static thread_local std::vector<uint64_t> order;
-        const Ranked ranked = rank_positions(score_of, first, last, std::max<int64_t>(4 * r, 512), mask, bonus, order);
+        // the positions of the best scores: every head ranks its tokens there (`best_above`)
+        static thread_local std::vector<float> positive;
+        static thread_local std::vector<uint64_t> above;
+        const Ranked ranked = rank_positions(score_of, first, last, std::max<int64_t>(4 * r, 512), mask, bonus,
+                                             positive, above);
 #pragma omp parallel num_threads(threads)
         {
-            static thread_local HeadScratch scratch;  // kept: the stamps are 512 KB
+            static thread_local HeadScratch scratch;  // kept: its vectors' pages are touched once
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
-                if (!best_by_walk(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r))
+                if (!best_above(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r))
                     best_by_scan(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r);
             }
         }
@@ -980,21 +971,23 @@ int h2o_recall_key_logits(const float* queries, int64_t G, int64_t D, const uint
 
 // One head's r tokens of a decode choice (ascending, into out) from the scores of `positions` positions
 // (a power of 2) and the head's n tokens' origins, as the choice takes them (margin: its held tokens'
-// factor is 1 + margin), by walking the positions ranked (walk nonzero, `best_by_walk`; cut > 0: only
-// the best `cut` positions ranked) or by ranking every token (`best_by_scan`), for the tests. Returns
-// 0; 2 where the walk could not decide (nothing written); 1 where it cannot run.
+// factor is 1 + margin), by ranking its tokens of a score above the threshold (above nonzero,
+// `best_above`; cut > 0: the threshold that marks at most the best `cut` positions, else 0) or by
+// ranking every token (`best_by_scan`), for the tests. Returns 0; 2 where the tokens above the threshold
+// could not decide (nothing written); 1 where it cannot run.
 int h2o_recall_best_tokens(const float* score, int64_t positions, const int64_t* origins, int64_t n,
-                           const int64_t* held, int64_t r, double margin, int walk, int64_t cut, int64_t* out) {
+                           const int64_t* held, int64_t r, double margin, int above, int64_t cut, int64_t* out) {
     if (positions <= 0 || (positions & (positions - 1)) || r <= 0 || r > n || positions > (1ll << 32)) return 1;
-    std::vector<uint64_t> order;
+    std::vector<float> positive;
+    std::vector<uint64_t> marked;
     const Ranked ranked = rank_positions(score, 0, positions - 1, cut > 0 ? cut : positions, positions - 1,
-                                         static_cast<float>(1.0 + margin), order);
+                                         static_cast<float>(1.0 + margin), positive, marked);
     HeadScratch scratch;
-    if (!walk) {
+    if (!above) {
         best_by_scan(ranked, origins, n, held, r, scratch, out);
         return 0;
     }
-    return best_by_walk(ranked, origins, n, held, r, scratch, out) ? 0 : 2;
+    return best_above(ranked, origins, n, held, r, scratch, out) ? 0 : 2;
 }
 
 // Choose and fill one row's recall window in a few layers by whole blocks, for a prefill chunk's

@@ -215,29 +215,28 @@ def test_a_decode_choices_logits_are_the_products_of_its_queries_and_keys(dtype)
                 torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def best_tokens(lib, score, origins, held, r, margin, walk, cut=0):
+def best_tokens(lib, score, origins, held, r, margin, above, cut=0):
     out = torch.full((r,), -7, dtype=torch.int64)
     status = lib.h2o_recall_best_tokens(
         ctypes.c_void_p(score.data_ptr()), ctypes.c_int64(score.numel()), ctypes.c_void_p(origins.data_ptr()),
         ctypes.c_int64(origins.numel()), ctypes.c_void_p(held.data_ptr()), ctypes.c_int64(r), ctypes.c_double(margin),
-        ctypes.c_int(walk), ctypes.c_int64(cut), ctypes.c_void_p(out.data_ptr()))
+        ctypes.c_int(above), ctypes.c_int64(cut), ctypes.c_void_p(out.data_ptr()))
     return status, out
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.3])
-def test_a_head_takes_the_same_tokens_by_walking_the_ranked_positions_as_by_ranking_them_all(margin):
-    """A decode choice's heads take their tokens by walking the voted positions, most score first
-    (`best_by_walk`), instead of ranking every archived token (`best_by_scan`): the same r tokens,
-    ties (many here: scores in eighths) to the lower index, held tokens favoured by the margin, as a
-    plain sort of every token says, whether it walks every voted position or a cut of the best. Where
-    the walk cannot decide (two tokens at one position of a conversation longer than the positions;
-    fewer than r tokens it does not hold at a voted position; the cut reached first) it says so and
-    the scan decides."""
+def test_a_head_takes_the_same_tokens_from_the_best_positions_as_by_ranking_them_all(margin):
+    """A decode choice's heads rank only their tokens at the positions of the best scores (those above
+    a threshold that marks at most `cut` positions; `best_above`), instead of every archived token
+    (`best_by_scan`): the same r tokens, ties (many here: scores in eighths) to the lower index, held
+    tokens favoured by the margin, as a plain sort of every token says, with two tokens at one position
+    of a conversation longer than the positions among them. Where fewer than r tokens it does not hold
+    score above the threshold (the rest tie at or below it) it says so and the scan decides."""
     lib = kernel()
     if lib is None:
         pytest.skip("no C++ compiler: the recall kernel is not built")
     generator = torch.Generator().manual_seed(1)
-    positions, walked, refused = 256, 0, 0
+    positions, decided, refused, shared = 256, 0, 0, 0
     for case in range(300):
         n = int(torch.randint(8, 200, (), generator=generator))
         r = int(torch.randint(1, n + 1, (), generator=generator))
@@ -252,17 +251,18 @@ def test_a_head_takes_the_same_tokens_by_walking_the_ranked_positions_as_by_rank
         favoured[held[held >= 0]] = margin != 0
         ranked = torch.where(favoured, token_score * bonus, token_score).tolist()
         expected = sorted(sorted(range(n), key=lambda t: (-ranked[t], t))[:r])
-        status, scanned = best_tokens(lib, score, origins, held, r, margin, walk=0)
+        status, scanned = best_tokens(lib, score, origins, held, r, margin, above=0)
         assert status == 0 and scanned.tolist() == expected
         for cut in (0, 2 * r, r + 3):
-            status, out = best_tokens(lib, score, origins, held, r, margin, walk=1, cut=cut)
+            status, out = best_tokens(lib, score, origins, held, r, margin, above=1, cut=cut)
             if status == 2:
                 refused += 1
                 assert (out == -7).all()
             else:
-                walked += 1
+                decided += 1
+                shared += len(set((origins % positions).tolist())) < n
                 assert status == 0 and out.tolist() == expected
-    assert walked > 100 and refused > 100  # both ways were tried
+    assert decided > 100 and refused > 100 and shared > 10  # both ways, and positions held twice, were tried
 
 
 def test_the_kernel_writes_only_the_slots_whose_token_changed():
