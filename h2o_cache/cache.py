@@ -272,11 +272,20 @@ class H2OCache:
 
     def window_copy(self, current: bool = True) -> torch.Tensor | None:
         """[2, L, rows, H_kv, recall_budget, D] fp16, every row's window (rotated keys, values) as it is
-        now (current False: as it is, for a writer that keeps it equal to the window where it was), or
+        now (current False: as it is, for a writer that keeps it equal to the window where it was; None
+        while no step reads it, `read_window_copy`: the writer marks the rows it writes instead), or
         None where no copy is kept."""
         if self._window_copy is None:
             return None
-        return self._window_copy.current(self) if current else self._window_copy.data
+        if not current:
+            return self._window_copy.data if self._window_copy.read else None
+        return self._window_copy.current(self)
+
+    def read_window_copy(self, read: bool) -> None:
+        """Whether the next steps read the window's copy (where one is kept): while not, the kernel's
+        choices and placements do not write it and mark the rows they write (`window_changed`)."""
+        if self._window_copy is not None:
+            self._window_copy.read = read
 
     # ----- one forward pass (`h2o_cache.forward_pass`) ---------------------------------------------
 

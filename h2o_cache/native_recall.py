@@ -129,6 +129,8 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
         raise ValueError(f"the native recall choice refused its input (status {status})")
     if window:
         cache.recall_count[row] += int(written.sum())
+        if not choice.window_keys:  # a copy no step reads now: copied again before one does
+            cache.window_changed(row)
 
 
 @torch.no_grad()
@@ -151,11 +153,13 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
     statuses = torch.zeros(len(prepared), dtype=torch.int32)
     kernel().h2o_recall_choose_rows(choices, len(prepared), written, statuses.data_ptr(), torch.get_num_threads())
     refused = []
-    for (row, _, counts, _), status in zip(prepared, statuses.tolist()):
+    for (row, choice, counts, _), status in zip(prepared, statuses.tolist()):
         if status:
             refused.append((row, status))
             continue
         cache.recall_count[row] += int(counts.sum())
+        if not choice.window_keys:
+            cache.window_changed(row)
         if done is not None:
             done.append(row)
     if refused:
@@ -286,6 +290,9 @@ def place(cache, rows: list[int]) -> None:
     if copy is not None:
         job.window_keys = copy[0].data_ptr()
         job.window_layer_stride, job.window_row_stride, job.window_head_stride = copy.stride(1), copy.stride(2), copy.stride(3)
+    else:  # a copy no step reads now (or none): copied again before one does
+        for row in rows:
+            cache.window_changed(row)
     status = kernel().h2o_recall_place(ctypes.byref(job))
     if status:
         raise ValueError(f"the native placement refused its input (status {status})")

@@ -233,6 +233,7 @@ class StaticDecoder:
         tokens, slots, origins, ranks = self.inputs(bucket)
         if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
             copy = self.native.window is not None and bucket >= WINDOW_COPY_MIN_ROWS
+            self.cache.read_window_copy(copy)  # the choices before the next step write it, or mark its rows
             if copy and self.cache.window_copy() is not self.native.window:
                 raise RuntimeError("the window's copy was reallocated; the native step would read freed memory")
             cache = self.cache  # the rows' rank flags as staged for this step (a CPU tensor here)

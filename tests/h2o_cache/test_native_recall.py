@@ -429,6 +429,43 @@ def test_rows_whose_windows_are_written_together_end_as_written_one_by_one():
     assert all(torch.equal(untouched[name], row_state(together, 1)[name]) for name in untouched)
 
 
+def test_a_window_copy_no_step_reads_is_not_written_and_is_exact_again_before_a_step_reads_it():
+    """While the steps do not read the window's fp16 copy (a batch below `WINDOW_COPY_MIN_ROWS`), the
+    kernel's choices and placements leave it as it was and mark the rows they write; once a step reads
+    it, `window_copy()` copies those rows again, and every row's copy equals its window."""
+    model = tiny_llama(heads=8, kv_heads=2, init_std=0.3)
+    if kernel() is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    gen = Generator(model, ByteTokenizer())
+    cache = rows_of_lengths(gen, ((4, 220, 0), (5, 150, 0), (6, 260, 3)))
+    assert native_recall.supports(cache)
+    cache.keep_window_copy()
+    cache.window_copy()
+    cache.read_window_copy(False)
+    assert cache.window_copy(current=False) is None  # writers are given none
+    kept = cache._window_copy.data.clone()
+    generator = torch.Generator().manual_seed(5)
+    count = list(cache.recall_count)
+    asked = cache._queries + 2.0 * torch.randn(cache._queries.shape, generator=generator)
+    recall.refresh(cache, asked, cache.spec.scaling, [0, 2])
+    native_recall.place(cache, [1])
+    assert cache.recall_count[0] > count[0] and cache.recall_count[2] > count[2]
+    assert torch.equal(cache._window_copy.data, kept)  # not written
+    assert cache._window_copy.stale == {0, 1, 2}
+    cache.read_window_copy(True)
+    copy = cache.window_copy()
+    assert not cache._window_copy.stale
+    for row in range(3):
+        r, state = cache.recalled[row], row_state(cache, row)
+        assert torch.equal(copy[0, :, row, :, :r].float(), state["rotated"][:, :, :r])
+        assert torch.equal(copy[1, :, row, :, :r].float(), state["values"][:, :, :r])
+    # read again: the kernel keeps it equal as it writes the windows, with nothing marked
+    recall.refresh(cache, cache._queries - asked, cache.spec.scaling, [1])
+    assert not cache._window_copy.stale
+    r, state = cache.recalled[1], row_state(cache, 1)
+    assert torch.equal(cache._window_copy.data[0, :, 1, :, :r].float(), state["rotated"][:, :, :r])
+
+
 @pytest.fixture
 def two_threads():
     threads = torch.get_num_threads()
