@@ -447,11 +447,14 @@ def test_a_window_copy_no_step_reads_is_not_written_and_is_exact_again_before_a_
     generator = torch.Generator().manual_seed(5)
     count = list(cache.recall_count)
     asked = cache._queries + 2.0 * torch.randn(cache._queries.shape, generator=generator)
-    recall.refresh(cache, asked, cache.spec.scaling, [0, 2])
-    native_recall.place(cache, [1])
-    assert cache.recall_count[0] > count[0] and cache.recall_count[2] > count[2]
+    recall.refresh(cache, asked, cache.spec.scaling, [0, 2])  # two rows side by side (`choose_many`)
+    recall.refresh(cache, asked, cache.spec.scaling, [1])  # one alone
+    assert all(cache.recall_count[row] > count[row] for row in range(3))
     assert torch.equal(cache._window_copy.data, kept)  # not written
     assert cache._window_copy.stale == {0, 1, 2}
+    kept = cache.window_copy().clone()  # current again, nothing marked
+    native_recall.place(cache, [1])  # a placement alike
+    assert torch.equal(cache._window_copy.data, kept) and cache._window_copy.stale == {1}
     cache.read_window_copy(True)
     copy = cache.window_copy()
     assert not cache._window_copy.stale

@@ -744,12 +744,22 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
     assert sum(native.cache.recall_count) > 3 * 30 * 16  # the windows did change, not only fill once
     for decoder in (native, ops):  # one row left: a bucket of 1 reads the fp32 window
         decoder.cache.pop(0), decoder.cache.pop(0)
-    for _ in range(3):
+    native.cache.window_copy()  # current again, nothing marked
+    count = native.cache.recall_count[0]
+    for _ in range(6):  # its choices leave the unread copy as it was and mark the row
         by_native, by_ops = native.step(), ops.step()
         torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
         for decoder in (native, ops):
             decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
-    assert checked[24:] == [None] * 3
+    assert checked[24:] == [None] * 6
+    assert native.cache.recall_count[0] > count and 0 in native.cache._window_copy.stale
+    recalling_rows(gen, (64, 65), [native, ops])  # a bucket of 4 again: the copy is read, current again
+    for _ in range(4):
+        by_native, by_ops = native.step(), ops.step()
+        torch.testing.assert_close(by_native, by_ops, rtol=1e-5, atol=1e-5 * by_ops.abs().max().item())
+        for decoder in (native, ops):
+            decoder.cache.pending = [[t] for t in by_ops.argmax(dim=-1).tolist()]
+    assert len(checked) == 34 and None not in checked[30:]
 
 
 @pytest.mark.parametrize("ahead", [True, False])
