@@ -128,9 +128,16 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
     if window:
-        cache.recall_count[row] += int(written.sum())
-        if not choice.window_keys:  # a copy no step reads now: copied again before one does
-            cache.window_changed(row)
+        _chose(cache, row, choice, written)
+
+
+def _chose(cache, row: int, choice: _Choice, written: torch.Tensor) -> None:
+    """After a row's choice wrote its window: count the slots rewritten (`written`, per layer and head),
+    and mark the row where the Choice had no window copy to write (a copy no step reads now: it is
+    copied again before one does)."""
+    cache.recall_count[row] += int(written.sum())
+    if not choice.window_keys:
+        cache.window_changed(row)
 
 
 @torch.no_grad()
@@ -157,9 +164,7 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
         if status:
             refused.append((row, status))
             continue
-        cache.recall_count[row] += int(counts.sum())
-        if not choice.window_keys:
-            cache.window_changed(row)
+        _chose(cache, row, choice, counts)
         if done is not None:
             done.append(row)
     if refused:
