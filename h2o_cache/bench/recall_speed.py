@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time each interval with recall_positions='rank' and recall_rank_steps K: ranks for "
                              "a reply's first K steps, then the text layout (timed past the first --steps steps; "
                              "a step within the first K costs what --ranks' does)")
+    parser.add_argument("--text-layout", action="store_true",
+                        help="also time each interval with recall_positions='text' (every held key read at the "
+                             "position of its slot; what the server sets on a GPU unless told)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
             configs[f"on, every {k}, torch choice"] = replace(configs[f"on, every {k}"], recall_kernel=False)
         if args.ranks:
             configs[f"on, every {k}, ranks"] = replace(configs[f"on, every {k}"], recall_positions="rank")
+        if args.text_layout:
+            configs[f"on, every {k}, text layout"] = replace(configs[f"on, every {k}"], recall_positions="text")
         for steps in args.rank_steps:
             configs[f"on, every {k}, ranks for {steps} steps"] = replace(configs[f"on, every {k}"], recall_positions="rank",
                                                                           recall_rank_steps=steps)

@@ -116,19 +116,20 @@ def test_recall_on_cuda_archives_in_pinned_memory_and_recalls_what_the_cpu_does(
 
 
 def decode_choices(device: str, tokenizer, kernel: bool, steps: int = 12, voters: int = 0, overlap: bool = False,
-                   positions: str = "text"):
+                   positions: str = "text", rank_steps: int | None = 32):
     """(windows, logits) of two rows decoded on the fast path with recall on `device`: a choice due at
     every step, at most one row choosing per step (as the server sets on CUDA), fed fixed tokens; kernel:
     the C++ kernel makes the choices (on CUDA it chooses and the torch ops fill the window); voters: after a
     burst of 2, the choices pool the votes of that many of a 4-layer model's layers; overlap: the choices
     after a reply's first run beside the step (`recall_overlap`, forced on the CPU too); positions:
-    `recall_positions` (with "rank" the CUDA step sorts each head's origins itself)."""
+    `recall_positions` (with "rank" the CUDA step sorts each head's origins itself); rank_steps:
+    `recall_rank_steps` (the decode steps of a reply read at ranks, then the text layout)."""
     from h2o_cache import StaticDecoder
 
     config = CacheConfig(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8, recall_budget=16, recall_block=4,
                          recall_probe=6, recall_interval=1, recall_choices=1, recall_kernel=kernel,
                          recall_voters=voters, recall_burst=2 if voters else 16, recall_overlap=overlap,
-                         recall_positions=positions)
+                         recall_positions=positions, recall_rank_steps=rank_steps)
     model = tiny_llama(init_std=0.3, layers=4 if voters else 2).to(device)
     gen = Generator(model, tokenizer, config)
     decoder = StaticDecoder(model, config, max_rows=2)
@@ -159,10 +160,12 @@ def test_decode_time_choices_on_cuda_match_the_cpu(byte_tokenizer, kernel, voter
     assert gpu[2] == cpu[2] and min(cpu[2]) > 0
 
 
-def test_decode_time_choices_on_cuda_match_the_cpu_with_every_held_key_at_its_rank(byte_tokenizer):
+@pytest.mark.parametrize("rank_steps", [32, 4], ids=["ranks-throughout", "ranks-then-text"])
+def test_decode_time_choices_on_cuda_match_the_cpu_with_every_held_key_at_its_rank(byte_tokenizer, rank_steps):
     """`recall_positions` "rank": the CUDA graph's step rotates the keys to their ranks itself
-    (`decode.ranked_keys`) and reads what the CPU's step reads."""
-    cpu = decode_choices("cpu", byte_tokenizer, True, positions="rank")
-    gpu = decode_choices("cuda", byte_tokenizer, True, positions="rank")
+    (`decode.ranked_keys`) and reads what the CPU's step reads; with 4 rank steps of 12 the rows'
+    flags turn to the text layout inside the captured step, as on the CPU."""
+    cpu = decode_choices("cpu", byte_tokenizer, True, positions="rank", rank_steps=rank_steps)
+    gpu = decode_choices("cuda", byte_tokenizer, True, positions="rank", rank_steps=rank_steps)
     assert all(torch.equal(a, b) for a, b in zip(cpu[0], gpu[0]))
     torch.testing.assert_close(gpu[1], cpu[1], rtol=1e-3, atol=1e-3)
