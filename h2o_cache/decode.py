@@ -126,18 +126,23 @@ def attention_logits(q: torch.Tensor, keys_t: torch.Tensor, mask: torch.Tensor, 
     return torch.baddbmm(mask, q.float(), keys_t.float(), alpha=scaling)
 
 
-def ranked_keys(fed: torch.Tensor, origins: torch.Tensor, visible: torch.Tensor, cos_table: torch.Tensor,
-                sin_table: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
-    """fed [B, H_kv, capacity, D] (keys before RoPE) rotated to their `recall.held_ranks` among the
-    visible slots of their row (visible [B, capacity]; origins [B, H_kv, capacity]); slots past them rank
-    after every held one and are masked anyway. window: None, or [B, H_kv, capacity] bool, the recall
-    window's slots, whose keys an fp32 cache holds in fp16 at whatever position they are read
-    (`recall.stored`): rounded so after their rotation. Fixed shapes, no host reads: a sort per head."""
-    ranks = held_ranks(origins.masked_fill(~visible[:, None], torch.iinfo(origins.dtype).max))
+def rope_table(cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """[P, 2D]: each position's cos, then its sin with the first half negated (`rotate`'s signed_sin),
+    so that one gather reads both."""
+    d = cos_table.shape[-1]
+    return torch.cat((cos_table, -sin_table[:, :d // 2], sin_table[:, d // 2:]), dim=-1)
+
+
+def ranked_keys(fed: torch.Tensor, ranks: torch.Tensor, table: torch.Tensor,
+                window: torch.Tensor | None = None) -> torch.Tensor:
+    """fed [B, H_kv, capacity, D] (keys before RoPE) rotated to `ranks` [B, H_kv, capacity] (their
+    `recall.held_ranks` among the visible slots of their row; slots past them rank after every held one
+    and are masked anyway), by `rope_table`'s rows. window: None, or [B, H_kv, capacity] bool, the
+    recall window's slots, whose keys an fp32 cache holds in fp16 at whatever position they are read
+    (`recall.stored`): rounded so after their rotation. Fixed shapes, no host reads."""
     d = fed.shape[-1]
-    cos, sin = cos_table[ranks], sin_table[ranks]  # [B, H_kv, capacity, D]
-    signed_sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
-    out = rotate(fed.float(), cos, signed_sin)
+    rope = table[ranks]  # [B, H_kv, capacity, 2D]
+    out = rotate(fed.float(), rope[..., :d], rope[..., d:])
     if window is not None and fed.dtype == torch.float32:
         out = torch.where(window[..., None], out.half().float(), out)
     return out
@@ -185,6 +190,14 @@ def decode_step(
     spread = (len(w.layers), b, h_kv, 1)  # the same slot in every layer and head: one write
     cache.origins[:, :b].scatter_(3, slots[None, :, None, None].expand(spread),
                                   origins[None, :, None, None].expand(spread))
+    if ranked is not None and cache.rotated is not None:
+        # Every layer's ranks in one sort (the origins change only at the new tokens' slots, written
+        # above), and cos | signed sin in one table: a CUDA graph's step is launch-bound at small
+        # batches, and a sort, the tables and the flag per layer were ~18 kernels of each layer's ~35.
+        unseen = torch.iinfo(cache.origins.dtype).max  # slots past a row's new token rank after its held ones
+        ranks = held_ranks(cache.origins[:, :b].masked_fill(~visible[None, :, None], unseen))  # [L, B, H_kv, capacity]
+        table = rope_table(cos_table, sin_table)
+        reads_ranks = (ranked != 0)[:, None, None, None]
     for layer, lw in enumerate(w.layers):
         qkv = linear(rms_norm(x, lw.input_norm, w.eps), lw.qkv, lw.qkv_bias)
         if queries is not None:
@@ -200,8 +213,7 @@ def decode_step(
         values.scatter_(2, write, v[:, :, None])
         if ranked is not None and cache.rotated is not None:
             window = None if cache.pinned is None else cache.pinned[layer, :b]
-            at_ranks = ranked_keys(fed, cache.origins[layer, :b], visible, cos_table, sin_table, window).to(keys.dtype)
-            keys = torch.where(ranked[:, None, None, None] != 0, at_ranks, keys)
+            keys = torch.where(reads_ranks, ranked_keys(fed, ranks[layer], table, window).to(keys.dtype), keys)
 
         # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
         q = qk[:, :h_q].reshape(b * h_kv, group, d)

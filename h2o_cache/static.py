@@ -125,7 +125,9 @@ class StaticDecoder:
         # is one contiguous copy for every bucket.
         self._inputs = torch.zeros(4 * max_rows, dtype=torch.int64, device=device)
         self._staging = torch.zeros(4 * max_rows, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, whether some row reads ranks) -> its graph and logits: with ranks a bucket has two, so
+        # that a step where no row reads ranks (every reply past its first `recall_rank_steps`) skips them
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         if self.cuda_graphs:
             self._capture()
@@ -166,11 +168,12 @@ class StaticDecoder:
         self._inputs[:4 * bucket].copy_(staged, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
+        reads_ranks = cache.config.ranks and any(ranked)
         if self.cuda_graphs:
-            graph, logits = self._graphs[bucket]
+            graph, logits = self._graphs[bucket, reads_ranks]
             graph.replay()
         else:
-            logits = self._run(bucket)
+            logits = self._run(bucket, reads_ranks)
         if beside:
             self._advance_choosing(beside, queries, evict)
         else:
@@ -229,7 +232,9 @@ class StaticDecoder:
         held keys at their ranks, `H2OCache.ranked`) a step of `bucket` rows reads."""
         return self._inputs[:4 * bucket].view(4, bucket)
 
-    def _run(self, bucket: int) -> torch.Tensor:
+    def _run(self, bucket: int, reads_ranks: bool = True) -> torch.Tensor:
+        """A step of `bucket` rows; reads_ranks: False where no row reads its held keys at their ranks
+        (the torch step then leaves them out; the native step reads each row's flag itself)."""
         tokens, slots, origins, ranks = self.inputs(bucket)
         if self.native is not None:  # faster than MKL's fp32 products at every batch up to 64, at least
             copy = self.native.window is not None and bucket >= WINDOW_COPY_MIN_ROWS
@@ -245,23 +250,26 @@ class StaticDecoder:
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
         return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin,
-                           self.queries, ranks if self.cache.config.ranks else None)
+                           self.queries, ranks if self.cache.config.ranks and reads_ranks else None)
 
     def _capture(self) -> None:
-        """One graph per bucket, largest first, sharing one memory pool. Runs while no row is in the
-        cache: warm-up passes write only slots of rows that are not in use yet."""
+        """One graph per bucket (two with ranks: with and without them), largest first, sharing one
+        memory pool (one replays at a time). Runs while no row is in the cache: warm-up passes write
+        only slots of rows that are not in use yet."""
         assert self.cache.batch_size == 0
         pool = None
+        kinds = [(bucket, ranks) for bucket in reversed(self.buckets)
+                 for ranks in ((True, False) if self.cache.config.ranks else (False,))]
         warmup = torch.cuda.Stream(self.spec.device)
         warmup.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(warmup):
-            for bucket in self.buckets:
-                self._run(bucket)
+            for kind in kinds:
+                self._run(*kind)
         torch.cuda.current_stream().wait_stream(warmup)
-        for bucket in reversed(self.buckets):
+        for kind in kinds:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._run(bucket)
+                logits = self._run(*kind)
             pool = graph.pool()
-            self._graphs[bucket] = (graph, logits)
+            self._graphs[kind] = (graph, logits)
         torch.cuda.synchronize(self.spec.device)

@@ -49,8 +49,11 @@ def buffers_read(decoder: StaticDecoder) -> dict[str, int]:
                   "cos": decoder._cos.data_ptr(), "sin": decoder._sin.data_ptr()}
 
 
+@pytest.mark.parametrize("reads_ranks", [True, False], ids=["some-row-at-ranks", "no-row-at-ranks"])
 @pytest.mark.parametrize("bucket", [1, 2, 4, 8])
-def test_every_bucket_of_the_step_runs_without_host_reads_or_data_dependent_shapes(recalling_decoder, bucket):
+def test_every_bucket_of_the_step_runs_without_host_reads_or_data_dependent_shapes(recalling_decoder, bucket,
+                                                                                    reads_ranks):
+    """Each graph a bucket captures (two with ranks: some row reads them, or none does)."""
     decoder = recalling_decoder
     cache = decoder.cache
     rows = min(bucket, cache.batch_size)
@@ -58,9 +61,10 @@ def test_every_bucket_of_the_step_runs_without_host_reads_or_data_dependent_shap
     ranked = [int(cache.ranked(row)) for row in range(cache.batch_size)]
     decoder.inputs(bucket)[:, :rows] = torch.tensor([[p[0] for p in cache.pending], cache.lengths, cache.seen,
                                                      ranked])[:, :rows]
+    decoder.queries.zero_()  # a bucket runs twice (with ranks and without): the second writes the same queries
     before = decoder.queries.clone()
     with HostReads() as mode:
-        logits = decoder._run(bucket)
+        logits = decoder._run(bucket, reads_ranks)
     assert mode.ops and not mode.forbidden, mode.forbidden
     assert logits.shape == (bucket, decoder.weights.embed.shape[0]) and torch.isfinite(logits).all()
     assert not torch.equal(decoder.queries[:, :rows], before[:, :rows])  # the step left its queries

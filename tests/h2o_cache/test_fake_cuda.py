@@ -67,7 +67,7 @@ def test_a_decode_step_syncs_once_on_quiet_and_evicting_steps(rows):
         model = fake_cuda_model()
         gen = Generator(model, ByteTokenizer(), config)
         decoder = StaticDecoder(model, config, max_rows=64)
-        assert decoder.cuda_graphs and sorted(decoder._graphs) == [1, 2, 4, 8, 16, 32, 64]
+        assert decoder.cuda_graphs and sorted(decoder._graphs) == [(b, False) for b in (1, 2, 4, 8, 16, 32, 64)]
         assert decoder.weights.layers[0].qkv.dtype == torch.bfloat16 and decoder.weights.embed.is_cuda
         firsts = [prefilled(gen, n, 5 + n) for n in (16, 9, 13, 11)]
         for i in range(rows):

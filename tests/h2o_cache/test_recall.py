@@ -657,6 +657,36 @@ def test_ranks_for_a_replys_first_steps_then_the_text_layout_row_by_row(gguf_mod
     assert not torch.equal(native.step(), always.step())  # past the first steps the layouts differ
 
 
+def test_a_step_where_no_row_reads_ranks_leaves_them_out_bit_for_bit(gguf_model, monkeypatch):
+    """The torch step (a CUDA graph's body) of a batch whose rows are all past their reply's rank steps
+    runs without ranks (`StaticDecoder._run(bucket, False)`: on CUDA the bucket's other graph): its
+    logits are bit for bit those of the step with ranks, every row's flag 0, which it no longer runs."""
+    import h2o_cache.static as static
+
+    config = recall_config(recall_interval=2, recall_burst=2, recall_positions="rank", recall_rank_steps=3)
+    gen = Generator(gguf_model, ByteTokenizer(), config)
+    ops = StaticDecoder(gguf_model, config, max_rows=4, native=False)
+    recalling_rows(gen, (80, 81), [ops])
+    real, checked = static.decode_step, []
+
+    def both(*args):
+        out = real(*args)
+        if args[-1] is None:  # the same step with ranks and every flag 0, its scores' second sum undone
+            flags, scores = ops.inputs(args[2].shape[0])[3], args[1].scores.clone()
+            assert not flags.any()
+            checked.append(torch.equal(out, real(*args[:-1], flags)))
+            args[1].scores.copy_(scores)
+        else:
+            checked.append(None)
+        return out
+
+    monkeypatch.setattr(static, "decode_step", both)
+    for _ in range(8):
+        logits = ops.step()
+        ops.cache.pending = [[t] for t in logits.argmax(dim=-1).tolist()]
+    assert checked == [None] * 3 + [True] * 5
+
+
 def test_keys_kept_at_their_ranks_from_step_to_step_read_as_keys_rotated_at_every_step(gguf_model):
     """With ranks the native step keeps each row's keys rotated to their ranks from call to call and
     rotates again only the slots whose token or rank changed (`NativeStep(ranks=True)`): its logits
