@@ -104,8 +104,8 @@ class ServerSettings(BaseSettings):
         None, description="where RoPE reads the held keys of a conversation with a recall window: text, own keys "
                           "at their slots and recalled ones between them; rank, every held key at its rank in "
                           "the text (a recalled phrase one position a word) in every prefill pass and a reply's "
-                          "first --recall-rank-steps; unset: rank on the CPU, text on a GPU, whose captured step "
-                          "would rank every row's keys at every step (not measured there)")
+                          "first --recall-rank-steps; unset: rank on the CPU, text on a GPU (on an H200 ranks "
+                          "cost the captured step ~2 ms at batch 1, one stream 148 against 225 tok/s)")
     recall_rank_steps: int = Field(
         32, ge=0, le=1_000_000, description="with --recall-positions rank: a reply's first decode steps that read "
                                             "the held keys at their ranks, then the text layout until the next "
