@@ -200,7 +200,14 @@ class Archive:
     def _digests(self) -> tuple[torch.Tensor, torch.Tensor]:
         """lo, hi: [L, H_kv, full blocks, D] fp32, computed for the blocks completed since last
         time (and their keys in fp16), once the tokens not yet in a digested block are sorted by origin."""
-        self.land()
+        full = self._form()
+        return self._lo[:, :, :full], self._hi[:, :, :full]
+
+    def _form(self) -> int:
+        """`_digests` without the views (a decode choice asks at every step, where two slices of cold
+        tensors cost more than the check); returns the full blocks."""
+        if self._incoming:
+            self.land()
         full = self.stored // self.block
         if self._digested < full and self.native():  # the storage is host memory
             self._form_natively(full)
@@ -211,7 +218,7 @@ class Archive:
             for buffer in self._data.values():
                 buffer[:, :, fresh] = _gather(buffer[:, :, fresh], order)
             self._digest(start, full)
-        return self._lo[:, :, :full], self._hi[:, :, :full]
+        return full
 
     def _form_natively(self, full: int) -> None:
         """`_digests`' sort and digests in one C++ call."""
@@ -293,7 +300,7 @@ class Archive:
         [L, H_kv, capacity, D], origins [L, H_kv, capacity] (tokens [0, stored) held, the full blocks'
         formed), the digests lo, hi [L, H_kv, block capacity, D] fp32 and the keys in fp16 for ranking
         (half, as keys; of the full blocks), all contiguous. Valid until the next append."""
-        self._digests()
+        self._form()
         return {"keys": self._data["keys"], "values": self._data["values"], "origins": self._data["origins"],
                 "lo": self._lo, "hi": self._hi, "half": self._half}
 

@@ -70,10 +70,19 @@ def supports(cache) -> bool:
     (`CacheConfig.recall_kernel`), fp32 buffers on the CPU (the archive fp32 or fp16), rolling, RoPE's frequencies
     known and <= 1 (`RopeTable.placeable`: the window's keys are placed by position x frequency),
     head_dim a multiple of 8, and the kernel built."""
+    known = _supported.get(cache)  # asked before every decode choice: answered once per buffers and config
+    if known is not None and known[0]() is cache._keys and known[1] is cache.config:
+        return known[2]
     spec = cache.spec
-    return (cache.config.recall_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
-            and spec.head_dim % 8 == 0 and cache._rotated is not None and cache._keys.is_contiguous()
-            and spec.rope.placeable and kernel() is not None)
+    answer = bool(cache.config.recall_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
+                  and spec.head_dim % 8 == 0 and cache._rotated is not None and cache._keys.is_contiguous()
+                  and spec.rope.placeable and kernel() is not None)
+    _supported[cache] = (weakref.ref(cache._keys), cache.config, answer)
+    return answer
+
+
+# cache -> (its keys buffer when asked, weakly; its config; whether the kernel chooses and places its windows)
+_supported: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ranks(cache) -> bool:
@@ -123,19 +132,20 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
          window: bool = True, voters: list[int] | None = None, margin: float = 0.0) -> None:
     """Call a choice of the kernel on the row's archive and window, for the layers `layers` (window
     False: only the row's `recall.held` is written; voters, margin: see `_prepare`)."""
-    choice, written, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters, margin)
+    choice, written, tally, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters, margin)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
     if window:
-        _chose(cache, row, choice, written)
+        _chose(cache, row, choice, tally)
 
 
-def _chose(cache, row: int, choice: _Choice, written: torch.Tensor) -> None:
-    """After a row's choice wrote its window: count the slots rewritten (`written`, per layer and head),
-    and mark the row where the Choice had no window copy to write (a copy no step reads now: it is
-    copied again before one does)."""
-    cache.recall_count[row] += int(written.sum())
+def _chose(cache, row: int, choice: _Choice, tally) -> None:
+    """After a row's choice wrote its window: count the slots rewritten (`tally`, a ctypes view of the
+    counts it wrote per layer and head: summed without a torch op, which after the kernel's pass over
+    the archive took ~60 µs of a batch-1 step), and mark the row where the Choice had no window copy to
+    write (a copy no step reads now: it is copied again before one does)."""
+    cache.recall_count[row] += sum(tally)
     if not choice.window_keys:
         cache.window_changed(row)
 
@@ -155,16 +165,16 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
     prepared = [(row, *_prepare(cache, row, queries, scaling, slice(None), span, True, voters.get(row),
                                 margins.get(row, 0.0)))
                 for row, queries in asked]
-    choices = (_Choice * len(prepared))(*[choice for _, choice, _, _ in prepared])
-    written = (ctypes.c_void_p * len(prepared))(*[w.data_ptr() for _, _, w, _ in prepared])
+    choices = (_Choice * len(prepared))(*[choice for _, choice, _, _, _ in prepared])
+    written = (ctypes.c_void_p * len(prepared))(*[w.data_ptr() for _, _, w, _, _ in prepared])
     statuses = torch.zeros(len(prepared), dtype=torch.int32)
     kernel().h2o_recall_choose_rows(choices, len(prepared), written, statuses.data_ptr(), torch.get_num_threads())
     refused = []
-    for (row, choice, counts, _), status in zip(prepared, statuses.tolist()):
+    for (row, choice, _, tally, _), status in zip(prepared, statuses.tolist()):
         if status:
             refused.append((row, status))
             continue
-        _chose(cache, row, choice, counts)
+        _chose(cache, row, choice, tally)
         if done is not None:
             done.append(row)
     if refused:
@@ -173,11 +183,11 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
 
 def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, span: int,
              window: bool, voters: list[int] | None = None,
-             margin: float = 0.0) -> tuple[_Choice, torch.Tensor, tuple]:
+             margin: float = 0.0) -> tuple[_Choice, torch.Tensor, ctypes.Array, tuple]:
     """The kernel's `Choice` for the row's archive and window in `layers` (voters: for a choice over
     all layers, the layers whose heads alone vote; None: all of them; margin: a decode choice ranks
-    the held tokens by their votes x (1 + margin)), the [L', H] counts it writes, and the tensors its
-    pointers read (to keep alive until the call returns). A row's `Choice` is kept between calls and
+    the held tokens by their votes x (1 + margin)), the [L', H] counts it writes (and a ctypes view of
+    them), and the tensors its pointers read (to keep alive until the call returns). A row's `Choice` is kept between calls and
     built again only where what it was built from moved (`_sources`: storage grown, blocks formed, a
     window grown or reallocated, other layers or voters); else only its queries, length and margin are
     set: building one is ~50 fields and a dozen tensor calls, ~0.2 ms, paid at every decode step where
@@ -198,14 +208,14 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         entry = (sources, *_build(cache, row, storage, first, end, span, scaling, window, voters,
                                   queries.shape[2], cos, sin))
         kept[(row, first, end, window)] = entry
-    _, choice, written, keep = entry
+    _, choice, written, tally, keep = entry
     choice.queries = queries.data_ptr()
     choice.length = cache.lengths[row]
     choice.margin = margin
-    return choice, written, (queries, *keep)
+    return choice, written, tally, (queries, *keep)
 
 
-# A cache's kept `Choice`s: (row, first layer, end, window) -> (sources, Choice, written, tensors kept)
+# A cache's kept `Choice`s: (row, first layer, end, window) -> (sources, Choice, written, its tally, tensors kept)
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -230,12 +240,14 @@ def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: 
 
 
 def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
-           voters: list[int] | None, group: int, cos, sin) -> tuple[_Choice, torch.Tensor, tuple]:
-    """A row's `Choice` (queries, length and margin unset), the counts it writes and the tensors it reads."""
+           voters: list[int] | None, group: int, cos, sin) -> tuple[_Choice, torch.Tensor, ctypes.Array, tuple]:
+    """A row's `Choice` (queries, length and margin unset), the counts it writes (and a ctypes view of
+    them, read while `written` lives) and the tensors it reads."""
     r = cache.recalled[row]
     archive = cache.archives[row]
     heads = archive.shape[1]
     written = torch.zeros(end - first, heads, dtype=torch.int32)
+    tally = (ctypes.c_int32 * written.numel()).from_address(written.data_ptr())
     blocks = r // archive.block
     ranked = storage["half"] if archive.dtype == torch.float32 else storage["keys"]  # 16-bit keys
     fields = dict(
@@ -273,7 +285,7 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         if copy is not None:
             fields |= dict(window_keys=copy[0, first, row].data_ptr(), window_values=copy[1, first, row].data_ptr(),
                            window_layer_stride=copy.stride(1), window_head_stride=copy.stride(3))
-    return _Choice(**fields), written, keep
+    return _Choice(**fields), written, tally, keep
 
 
 @torch.no_grad()

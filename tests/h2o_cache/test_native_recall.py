@@ -518,10 +518,10 @@ def test_rows_choosing_side_by_side_end_as_rows_choosing_one_by_one(monkeypatch,
     prepare = native_recall._prepare
 
     def refusing(cache, row, *args):
-        choice, written, keep = prepare(cache, row, *args)
+        choice, written, tally, keep = prepare(cache, row, *args)
         if row == 2:
             choice.positions = 3  # not a power of two
-        return choice, written, keep
+        return choice, written, tally, keep
 
     monkeypatch.setattr(native_recall, "_prepare", refusing)
     before, counts = [row_state(together, row) for row in range(4)], list(together.recall_count)
