@@ -62,7 +62,8 @@ class Archive:
     """Evicted tokens of one cache row, per layer and KV head, at most `limit` per head.
 
     Storage: keys, values [L, H_kv, n, D] in the cache's dtype; scores [L, H_kv, n] fp32; origins
-    [L, H_kv, n] int64; per block: digests lo, hi [L, H_kv, blocks, D] fp32 and, for an fp32
+    [L, H_kv, n] int64; per block: digests lo, hi [L, H_kv, blocks, D] fp16 (computed in fp32 and
+    rounded to nearest: half the bytes a choice reads over a long archive) and, for an fp32
     archive, its keys in fp16 for ranking [L, H_kv, block, D] (computed when first needed). When an
     append would pass `limit`, the oldest blocks are dropped (an eighth of the limit at a time, so
     that the shift is paid rarely); `epoch` counts such renumberings of blocks.
@@ -106,7 +107,7 @@ class Archive:
     @property
     def nbytes(self) -> int:
         """Host bytes of the held tokens (keys, values, scores, origins and digests)."""
-        per_token = (2 * self.head_dim * self.dtype.itemsize + 4 + 8 + 2 * self.head_dim * 4 / self.block
+        per_token = (2 * self.head_dim * self.dtype.itemsize + 4 + 8 + 2 * self.head_dim * 2 / self.block
                      + (2 * self.head_dim if self._ranks_copies() else 0))
         return int(len(self) * self.shape[0] * self.shape[1] * per_token)
 
@@ -168,7 +169,7 @@ class Archive:
                "values": _storage(*head, capacity, d, dtype=self.dtype),
                "scores": _storage(*head, capacity, dtype=torch.float32),
                "origins": _storage(*head, capacity, dtype=torch.int64)}
-        lo, hi = _storage(*head, blocks, d), _storage(*head, blocks, d)
+        lo, hi = _storage(*head, blocks, d, dtype=torch.float16), _storage(*head, blocks, d, dtype=torch.float16)
         half = _storage(*head, capacity if self._ranks_copies() else 0, d, dtype=torch.float16)
         if self._data:
             for name, buffer in new.items():
@@ -198,7 +199,7 @@ class Archive:
     # ----- recall ----------------------------------------------------------------------------
 
     def _digests(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """lo, hi: [L, H_kv, full blocks, D] fp32, computed for the blocks completed since last
+        """lo, hi: [L, H_kv, full blocks, D] fp16, computed for the blocks completed since last
         time (and their keys in fp16), once the tokens not yet in a digested block are sorted by origin."""
         full = self._form()
         return self._lo[:, :, :full], self._hi[:, :, :full]
@@ -298,7 +299,7 @@ class Archive:
     def storage(self) -> dict[str, torch.Tensor]:
         """The storage itself, for a kernel that reads it in place (`native_recall`): keys, values
         [L, H_kv, capacity, D], origins [L, H_kv, capacity] (tokens [0, stored) held, the full blocks'
-        formed), the digests lo, hi [L, H_kv, block capacity, D] fp32 and the keys in fp16 for ranking
+        formed), the digests lo, hi [L, H_kv, block capacity, D] fp16 and the keys in fp16 for ranking
         (half, as keys; of the full blocks), all contiguous. Valid until the next append."""
         self._form()
         return {"keys": self._data["keys"], "values": self._data["values"], "origins": self._data["origins"],

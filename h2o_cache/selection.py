@@ -26,9 +26,10 @@ import torch
 
 def bound_mass(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scaling: float) -> torch.Tensor:
     """queries [L, H, Q, D] fp32 before RoPE (the queries that share each KV head); lo, hi [L, H, N, D]
-    fp32 digests of N blocks. Returns [L, H, N] fp32: per query the softmax over blocks of the box's
-    best corner, sum_d max(q_d lo_d, q_d hi_d) * scaling (for min and max digests, the upper bound of
-    q.k * scaling), summed over the queries."""
+    digests of N blocks (an archive's are fp16, widened exactly). Returns [L, H, N] fp32: per query the
+    softmax over blocks of the box's best corner, sum_d max(q_d lo_d, q_d hi_d) * scaling (for min and
+    max digests, the upper bound of q.k * scaling up to their rounding), summed over the queries."""
+    lo, hi = lo.float(), hi.float()
     bound = torch.matmul(queries.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(queries.clamp(max=0), lo.transpose(-1, -2))
     return (bound * scaling).softmax(dim=-1).sum(dim=2)
 

@@ -149,8 +149,8 @@ struct Forming {
     void* values;
     float* scores;
     int64_t* origins;
-    float* lo;
-    float* hi;
+    uint16_t* lo;  // fp16, rounded to nearest from the fp32 digests
+    uint16_t* hi;
     uint16_t* half;  // [heads, capacity, dim] fp16 copies of an fp32 archive's keys; null for an fp16 one
     int64_t fp16;
     int64_t mean;    // digests: 0 the channel-wise min and max; 1 the mean -/+ the mean absolute deviation
@@ -199,8 +199,8 @@ int form_blocks(const Forming& s) {
                     k = static_cast<const float*>(s.keys) + at;
                     narrow_fp16(k, s.half + at, B * D);
                 }
-                float* lo = s.lo + (head * s.digest_capacity + b) * D;
-                float* hi = s.hi + (head * s.digest_capacity + b) * D;
+                uint16_t* lo = s.lo + (head * s.digest_capacity + b) * D;
+                uint16_t* hi = s.hi + (head * s.digest_capacity + b) * D;
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 low = _mm256_loadu_ps(k + d), high = low;
                     if (s.mean) {  // in the order and rounding of `Archive._digest`'s torch ops
@@ -223,8 +223,8 @@ int form_blocks(const Forming& s) {
                             high = _mm256_max_ps(high, x);
                         }
                     }
-                    _mm256_storeu_ps(lo + d, low);
-                    _mm256_storeu_ps(hi + d, high);
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + d), _mm256_cvtps_ph(low, _MM_FROUND_TO_NEAREST_INT));
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + d), _mm256_cvtps_ph(high, _MM_FROUND_TO_NEAREST_INT));
                 }
             }
         }

@@ -43,8 +43,8 @@ struct Choice {
     int64_t window, candidates, span, positions, threads;
     double scaling;
     const float* queries;  // [L, H, G, D], before RoPE
-    const float* lo;       // [L, H, digest_capacity, D]
-    const float* hi;
+    const uint16_t* lo;    // [L, H, digest_capacity, D] fp16
+    const uint16_t* hi;
     const void* keys;      // [L, H, capacity, D], before RoPE: fp32, or fp16 where archive_fp16
     const void* values;
     const int64_t* origins;  // [L, H, capacity]
@@ -100,10 +100,10 @@ inline __m256 load8_16(const uint16_t* a, bool bf16) {
 
 // out[g] = hi . p[g] + lo . n[g] for g < 4: the digests' bound for four queries split into their
 // positive (p) and negative (n) parts.
-inline __m128 bound4(const float* lo, const float* hi, const float* p, const float* n, int64_t d) {
+inline __m128 bound4(const uint16_t* lo, const uint16_t* hi, const float* p, const float* n, int64_t d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (int64_t i = 0; i < d; i += 8) {
-        const __m256 l = _mm256_loadu_ps(lo + i), h = _mm256_loadu_ps(hi + i);
+        const __m256 l = load8_fp16(lo + i), h = load8_fp16(hi + i);
         s0 = _mm256_fmadd_ps(l, _mm256_loadu_ps(n + i), _mm256_fmadd_ps(h, _mm256_loadu_ps(p + i), s0));
         s1 = _mm256_fmadd_ps(l, _mm256_loadu_ps(n + d + i), _mm256_fmadd_ps(h, _mm256_loadu_ps(p + d + i), s1));
         s2 = _mm256_fmadd_ps(l, _mm256_loadu_ps(n + 2 * d + i), _mm256_fmadd_ps(h, _mm256_loadu_ps(p + 2 * d + i), s2));
@@ -480,8 +480,8 @@ void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& 
     const int64_t padded = load_queries(c, head, g0, g1, s);
     const float* positive = s.queries.data() + padded * D;
     const float* negative = positive + padded * D;
-    const float* lo = c.lo + head * c.digest_capacity * D;
-    const float* hi = c.hi + head * c.digest_capacity * D;
+    const uint16_t* lo = c.lo + head * c.digest_capacity * D;
+    const uint16_t* hi = c.hi + head * c.digest_capacity * D;
     s.logits.resize(padded * N);
     float* logits = s.logits.data();
     score_items(G, N, N, logits, [&](int64_t g, int64_t n) {
@@ -841,8 +841,8 @@ int choose_blocks(const Choice& c, int32_t* written) {
             for (int64_t head = 0; head < heads; ++head) {  // digests: rows [0, D) hi, [D, 2D) lo
                 float* panel = panels.data() + head * bound_size;
                 std::fill(panel, panel + bound_size, 0.0f);
-                const float* hi = c.hi + head * c.digest_capacity * D;
-                const float* lo = c.lo + head * c.digest_capacity * D;
+                const uint16_t* hi = c.hi + head * c.digest_capacity * D;
+                const uint16_t* lo = c.lo + head * c.digest_capacity * D;
                 pack_tiles(N, D, 2 * D, 0, [&](int64_t n) { return hi + n * D; }, panel);
                 pack_tiles(N, D, 2 * D, D, [&](int64_t n) { return lo + n * D; }, panel);
             }
