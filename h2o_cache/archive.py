@@ -22,8 +22,9 @@ blocks; the logits of the queries against their keys choose among them (`select`
 Ranking reads every candidate's keys (all of a 2k history's, ~21 MB in 16 bits per decode choice of a
 row of the default model), and half the bytes of fp32 took a row's choice from 3.9 to 2.5 ms (the
 C++ kernel, 2 threads, batch 8 at 2k tokens), for logits rounded to fp16 keys (a relative ~5e-4 per
-key). `H2OCache` archives in 16 bits (an fp32 cache's in fp16): 29 KB of host memory per
-archived token of the default model instead of 63 KB for fp32 with fp16 copies.
+key). `H2OCache` archives in 16 bits (an fp32 cache's in fp16), with fp16 block digests: 26 KB of
+host memory per archived token of the default model instead of 63 KB for fp32 with fp16 copies and
+fp32 digests.
 
 The archive is never emptied by a recall: the cache's recall window (`h2o_cache.recall`) holds
 copies of the blocks its queries chose, so a block that falls out of the chosen set is still here,

@@ -392,7 +392,7 @@ class H2OCache:
 
     def new_archive(self) -> Archive:
         """An empty archive for a row: in 16 bits (an fp32 cache's in fp16), so that an archived token
-        takes ~29 KB of host memory on the default model rather than ~63 KB in fp32 with the fp16
+        takes ~26 KB of host memory on the default model rather than ~63 KB in fp32 with the fp16
         copies of its keys that the choice ranks by; the choice ranks the same fp16 keys either way,
         and a recalled token comes back rounded to fp16."""
         spec, config = self.spec, self.config
