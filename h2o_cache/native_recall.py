@@ -77,7 +77,8 @@ def supports(cache) -> bool:
     answer = bool(cache.config.recall_kernel and spec.device.type == "cpu" and spec.dtype == torch.float32
                   and spec.head_dim % 8 == 0 and cache._rotated is not None and cache._keys.is_contiguous()
                   and spec.rope.placeable and kernel() is not None)
-    _supported[cache] = (weakref.ref(cache._keys), cache.config, answer)
+    if cache._keys is not None:  # no buffers yet: asked again once they exist
+        _supported[cache] = (weakref.ref(cache._keys), cache.config, answer)
     return answer
 
 

@@ -552,3 +552,25 @@ def test_slot_positions_are_text_positions_slot_by_slot():
     got = recall.slot_positions(origins[b, h], origins[b, h, j], r, n)
     want = torch.stack([rows[i][2][hh, jj] for i, hh, jj in zip(b.tolist(), h.tolist(), j.tolist())])
     assert torch.equal(got, want)
+
+
+def test_whether_the_kernel_chooses_is_asked_again_when_the_buffers_or_the_config_change():
+    """`supports` is answered once per buffers and config (it is asked before every decode choice):
+    none before the cache has buffers, and a new answer for new buffers or a new config."""
+    from h2o_cache import H2OCache
+    from h2o_cache.hf import model_spec
+
+    cache = H2OCache(model_spec(tiny_llama()), recall_config())
+    assert not native_recall.supports(cache)  # no buffers yet
+    cache.reserve(1, 64)
+    assert native_recall.supports(cache) and native_recall.supports(cache)
+    config = cache.config
+    cache.config = replace(config, recall_kernel=False)
+    assert not native_recall.supports(cache)
+    cache.config = config
+    assert native_recall.supports(cache)
+    keys = cache._keys
+    cache._keys = keys.transpose(3, 4)  # buffers the kernel cannot read in place
+    assert not native_recall.supports(cache)
+    cache._keys = keys
+    assert native_recall.supports(cache)
