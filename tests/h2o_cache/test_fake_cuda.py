@@ -190,3 +190,32 @@ def test_choices_beside_the_step_wait_only_for_the_step_before_it():
             decoder.cache.evict_over_budget()
     assert not audit.forbidden and not audit.mixed
     assert beside >= 3
+
+
+def test_a_step_replays_its_buckets_graph_without_ranks_where_no_row_reads_them():
+    """With ranks (`recall_positions` "rank") each bucket has two graphs; a step replays the one with
+    ranks while some row is within its reply's first `recall_rank_steps`, and the one without them
+    after, chosen on the host from the rows' flags (no read from the device)."""
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4,
+                         recall_archive=256, recall_positions="rank", recall_rank_steps=3)
+    with FakeCuda() as audit:
+        model = fake_cuda_model()
+        gen = Generator(model, ByteTokenizer(), config)
+        decoder = StaticDecoder(model, config, max_rows=4)
+        assert sorted(decoder._graphs) == [(b, ranks) for b in (1, 2, 4) for ranks in (False, True)]
+        replayed = []
+        for kind, (graph, _) in decoder._graphs.items():
+            graph.replay = lambda kind=kind, replay=graph.replay: (replayed.append(kind), replay())
+        for n in (30, 23):
+            decoder.cache.extend(prefilled(gen, n, 5))
+        expected = []
+        for step in range(6):
+            if step == 2:  # a new reply joins: its first steps read ranks again
+                decoder.cache.extend(prefilled(gen, 27, 6))
+            cache = decoder.cache
+            expected.append((4 if cache.batch_size > 2 else 2, any(cache.ranked(row) for row in range(cache.batch_size))))
+            decoder.step()
+            decoder.cache.pending = [[7 + step]] * decoder.cache.batch_size  # fake tensors hold no tokens to sample
+    assert not audit.forbidden and not audit.mixed
+    assert replayed == expected
+    assert [ranks for _, ranks in expected] == [True, True, True, True, True, False]
