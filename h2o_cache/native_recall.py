@@ -51,7 +51,8 @@ class _Choice(ctypes.Structure):
                    ("half", ctypes.c_void_p), ("half_bf16", ctypes.c_int64), ("archive_fp16", ctypes.c_int64),
                    ("window_keys", ctypes.c_void_p), ("window_values", ctypes.c_void_p),
                    ("window_layer_stride", ctypes.c_int64), ("window_head_stride", ctypes.c_int64),
-                   ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double)])
+                   ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double),
+                   ("query_layer_stride", ctypes.c_int64)])
 
 
 class _Placement(ctypes.Structure):
@@ -199,7 +200,11 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
     first, end, step = layers.indices(archive.shape[0])
     if step != 1 or end <= first:
         raise ValueError(f"the recall kernel chooses for a contiguous range of layers, not {layers}")
-    if queries.dtype != torch.float32 or queries.device.type != "cpu" or not queries.is_contiguous():
+    # read in place where each layer's [H_kv, group, D] is contiguous (a row of a batch's query buffer:
+    # its layers max_rows rows apart), else copied (~55 µs cold for the default model's 30 layers)
+    _, heads, group, dim = queries.shape
+    if (queries.dtype != torch.float32 or queries.device.type != "cpu"
+            or queries.stride()[1:] != (group * dim, dim, 1)):
         queries = queries.to(torch.float32).cpu().contiguous()
     cos, sin = cache.spec.rope.get(cache.lengths[row]) if window else (None, None)
     sources = _sources(cache, row, storage, span, scaling, window, voters, queries.shape[2], cos, sin)
@@ -211,6 +216,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         kept[(row, first, end, window)] = entry
     _, choice, written, tally, keep = entry
     choice.queries = queries.data_ptr()
+    choice.query_layer_stride = queries.stride(0)
     choice.length = cache.lengths[row]
     choice.margin = margin
     return choice, written, tally, (queries, *keep)

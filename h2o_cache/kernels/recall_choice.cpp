@@ -70,7 +70,16 @@ struct Choice {
     const int64_t* voters;  // nullable: the layers (ascending, voter_layers of them) whose heads' attention
     int64_t voter_layers;   // votes; every head of every layer still takes its tokens by those votes
     double margin;          // a decode choice ranks a head's held tokens by their scores x (1 + margin)
+    int64_t query_layer_stride;  // floats from one layer's queries to the next (0: heads x group x dim,
+                                 // contiguous); a row of a batch's query buffer is read in place
 };
+
+// The queries of `head` (layer * heads + h, of the call's layers): `group` rows of `dim` floats.
+inline const float* head_queries(const Choice& c, int64_t head) {
+    const int64_t per_layer = c.heads * c.group * c.dim;
+    const int64_t stride = c.query_layer_stride ? c.query_layer_stride : per_layer;
+    return c.queries + (head / c.heads) * stride + (head % c.heads) * c.group * c.dim;
+}
 
 // Whether `voters` names at least one layer, each of the choice's, ascending.
 bool voters_valid(const Choice& c) {
@@ -465,7 +474,7 @@ int64_t load_queries(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scra
     const int64_t D = c.dim, G = g1 - g0, padded = (G + 3) / 4 * 4;
     s.queries.assign(3 * padded * D, 0.0f);
     float *q = s.queries.data(), *positive = q + padded * D, *negative = positive + padded * D;
-    memcpy(q, c.queries + (head * c.group + g0) * D, G * D * sizeof(float));
+    memcpy(q, head_queries(c, head) + g0 * D, G * D * sizeof(float));
     for (int64_t i = 0; i < G * D; ++i) {
         positive[i] = std::max(q[i], 0.0f);
         negative[i] = std::min(q[i], 0.0f);
@@ -816,7 +825,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
             const int64_t depth = split ? 2 * D : D;
             q.assign(part * depth, 0.0f);
             for (int64_t g = g0; g < g1; ++g) {
-                const float* from = c.queries + (head * c.group + g) * D;
+                const float* from = head_queries(c, head) + g * D;
                 float* to = q.data() + (g - g0) * depth;
                 for (int64_t d = 0; d < D; ++d) {
                     if (split) {

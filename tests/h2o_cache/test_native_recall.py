@@ -56,7 +56,8 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
     """Query groups of 2, 8 (passes of 3, 3 and 2 queries), 1, 3 (the default model's) and 5 (3 and 2);
     spans 0 to 40; blocks of 3 tokens (a head's candidate keys not a multiple of 4: the last ones
     scored apart). Queries: the row's own, then ever noisier ones, each choice starting from the
-    window the last one left."""
+    window the last one left; every other choice reads its row's queries in place from a buffer of 3
+    rows (`Choice.query_layer_stride`), as a batch's choices do."""
     model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3, hidden=hidden)
     gen, cache = conversation(model, recall_span=span, recall_block=block, recall_budget=16 if block == 4 else 15)
     if not native_recall.supports(cache):
@@ -65,8 +66,12 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
     assert native_recall.supports(kernel) and not native_recall.supports(torch_ops)
     generator = torch.Generator().manual_seed(0)
     queries = cache._queries
-    for noise in (0.0, 0.5, 1.0, 2.0, 4.0):
+    for i, noise in enumerate((0.0, 0.5, 1.0, 2.0, 4.0)):
         asked = queries + noise * torch.randn(queries.shape, generator=generator)
+        if i % 2:  # row 0 of a buffer of 3 rows: each layer's queries 3 rows apart
+            batch = torch.randn(queries.shape[0], 3, *queries.shape[2:], generator=generator)
+            batch[:, :1] = asked
+            asked = batch
         for copy in (kernel, torch_ops):
             recall.refresh(copy, asked, copy.spec.scaling, [0])
         assert_same_windows(model, kernel, torch_ops)
