@@ -54,6 +54,9 @@ _FIELDS = ("keys", "values", "scores", "origins")
 # once in a 2k-token prompt (a 6-digit code in news articles, 24 codes): 4 found 10, 8 found 17, 16
 # (every block of a 2k history: the bound only narrows longer ones) 21, the full cache 24.
 CANDIDATES = 16
+# The block digests are stored in fp16, clamped to its finite range (a key channel past it, in an fp32
+# or bf16 archive, would make a bound inf and a query's zero channel times it a NaN).
+FP16_MAX = 65504.0
 # Size of the position table the heads pool their votes in (`pool_by_position`): fixed, so that the
 # ranking's shapes never depend on the conversation's length.
 POSITIONS = 1 << 16
@@ -244,7 +247,8 @@ class Archive:
         if self._ranks_copies():
             self._half[:, :, start * size:end * size] = keys.half()
         lo, hi = block_digests(keys.view(*self.shape, end - start, size, self.head_dim), self.digest)
-        self._lo[:, :, start:end], self._hi[:, :, start:end] = lo, hi
+        # stored in fp16 within its finite range, as `kernels/compaction.cpp` stores them
+        self._lo[:, :, start:end], self._hi[:, :, start:end] = lo.clamp(-FP16_MAX, FP16_MAX), hi.clamp(-FP16_MAX, FP16_MAX)
         self._digested = end
 
     @torch.no_grad()

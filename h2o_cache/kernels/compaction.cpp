@@ -223,6 +223,11 @@ int form_blocks(const Forming& s) {
                             high = _mm256_max_ps(high, x);
                         }
                     }
+                    // fp16, rounded to nearest, within its finite range (`FP16_MAX`): a key channel past
+                    // it (an fp32 or bf16 archive's) must not make the bound an inf, nor 0 x inf a NaN
+                    const __m256 top = _mm256_set1_ps(65504.0f), bottom = _mm256_set1_ps(-65504.0f);
+                    low = _mm256_max_ps(_mm256_min_ps(low, top), bottom);
+                    high = _mm256_max_ps(_mm256_min_ps(high, top), bottom);
                     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + d), _mm256_cvtps_ph(low, _MM_FROUND_TO_NEAREST_INT));
                     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + d), _mm256_cvtps_ph(high, _MM_FROUND_TO_NEAREST_INT));
                 }

@@ -442,3 +442,21 @@ def test_span_votes_add_to_each_position_the_votes_within_its_radius_and_leave_e
         assert torch.isclose(spans[p], votes[p] + near, atol=1e-5)
         if near == 0:
             assert spans[p] == 0  # exactly: a token no vote came near ranks below any that one did
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c++", "torch"])
+def test_digests_stay_finite_in_fp16_where_a_key_channel_passes_its_range(monkeypatch, native):
+    """An fp32 archive's key channel past fp16's range (65504): its blocks' digests are clamped to it,
+    by the C++ forming and the torch ops alike, so a block's bound stays finite and the ranking ranks."""
+    if not native:
+        monkeypatch.setattr(Archive, "native", lambda self: False)
+    keys, values, scores, origins = tokens(12, 0, seed=4)
+    keys[0, 1, 5, 3] = 1e6
+    keys[1, 2, 9, 0] = -3e5
+    a = Archive(L, H, D, torch.float32, block=4, limit=64)
+    a.append(keys, values, scores, origins)
+    lo, hi = a._digests()
+    assert torch.isfinite(lo).all() and torch.isfinite(hi).all()
+    assert hi.float().max() == 65504 and lo.float().min() == -65504
+    mass = selection.bound_mass(torch.randn(L, H, 4, D), lo, hi, 0.3)
+    assert torch.isfinite(mass).all()
