@@ -156,15 +156,15 @@ def decode_step(
     slots: torch.Tensor,
     positions: torch.Tensor,
     origins: torch.Tensor,
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
+    rope: torch.Tensor,
     queries: torch.Tensor | None = None,
     ranked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed tokens[b] to row b at slot slots[b], RoPE position positions[b]; rows are 0..B-1.
 
     tokens, slots, positions, origins: [B] int64 on the model's device; origins[b] is the token's
-    index in row b's sequence. cos_table, sin_table: [P, D] fp32. queries: None, or [L, >= B, H_q, D]
+    index in row b's sequence. rope: [P, 2D] fp32, `rope_table` of the model's RoPE tables (built once
+    by the caller: the step reads each position's cos and signed sin in one gather). queries: None, or [L, >= B, H_q, D]
     where each layer's queries before RoPE are left (what chooses a recall window, `h2o_cache.recall`).
     ranked: None, or [B] int64 on the device: where nonzero, every held key of row b is read at its rank
     in the order of the text among the row's held tokens (`recall_positions` "rank", `H2OCache.ranked`,
@@ -179,9 +179,8 @@ def decode_step(
     capacity = cache.keys.shape[3]
     dtype = w.embed.dtype
     x = F.embedding(tokens, w.embed)  # [B, hidden]
-    cos = cos_table[positions].to(dtype)[:, None]  # [B, 1, D]
-    sin = sin_table[positions].to(dtype)[:, None]
-    signed_sin = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), dim=-1)
+    at = rope[positions].to(dtype)[:, None]  # [B, 1, 2D]: the sign flips before the rounding, which it commutes with
+    cos, signed_sin = at[..., :d], at[..., d:]
     # Additive mask, the same for every layer and head: slots past the new token are -inf. [B*H_kv, 1, capacity]
     visible = torch.arange(capacity, device=tokens.device) <= slots[:, None]
     mask = torch.zeros(visible.shape, device=tokens.device).masked_fill_(~visible, float("-inf"))
@@ -192,11 +191,10 @@ def decode_step(
                                   origins[None, :, None, None].expand(spread))
     if ranked is not None and cache.rotated is not None:
         # Every layer's ranks in one sort (the origins change only at the new tokens' slots, written
-        # above), and cos | signed sin in one table: a CUDA graph's step is launch-bound at small
-        # batches, and a sort, the tables and the flag per layer were ~18 kernels of each layer's ~35.
+        # above): a CUDA graph's step is launch-bound at small batches, and a sort, the tables and the
+        # flag per layer were ~18 kernels of each layer's ~35.
         unseen = torch.iinfo(cache.origins.dtype).max  # slots past a row's new token rank after its held ones
         ranks = held_ranks(cache.origins[:, :b].masked_fill(~visible[None, :, None], unseen))  # [L, B, H_kv, capacity]
-        table = rope_table(cos_table, sin_table)
         reads_ranks = (ranked != 0)[:, None, None, None]
     for layer, lw in enumerate(w.layers):
         qkv = linear(rms_norm(x, lw.input_norm, w.eps), lw.qkv, lw.qkv_bias)
@@ -213,7 +211,7 @@ def decode_step(
         values.scatter_(2, write, v[:, :, None])
         if ranked is not None and cache.rotated is not None:
             window = None if cache.pinned is None else cache.pinned[layer, :b]
-            keys = torch.where(reads_ranks, ranked_keys(fed, ranks[layer], table, window).to(keys.dtype), keys)
+            keys = torch.where(reads_ranks, ranked_keys(fed, ranks[layer], rope, window).to(keys.dtype), keys)
 
         # fp32 attention of the group's query heads over every slot: [B*H_kv, G, capacity]
         q = qk[:, :h_q].reshape(b * h_kv, group, d)

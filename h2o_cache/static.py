@@ -34,7 +34,7 @@ import torch
 
 from h2o_cache.cache import FIRST, H2OCache
 from h2o_cache.config import CacheConfig
-from h2o_cache.decode import decode_step
+from h2o_cache.decode import decode_step, rope_table
 from h2o_cache.hf import decoder_weights, model_spec
 from h2o_cache.quantized import EXACT, NativeStep, fastest_activations, gguf_matrices, kernel
 from h2o_cache.transfer import download
@@ -104,6 +104,7 @@ class StaticDecoder:
         self.cache.reserve(max_rows, config.budget + config.recall_budget + 1, scratch=True)
         self._storage = self.cache.buffers().keys  # what the steps (and graphs) read
         self._cos, self._sin = self.spec.rope.get(config.budget + config.recall_budget + 1)
+        self._rope = rope_table(self._cos, self._sin)  # what the torch step (a CUDA graph's body) reads
         self.queries = self.cache._queries  # [L, max_rows, H_q, D] with recall: each row's last queries before RoPE
         self.steps = 0
         overlap = config.recall_overlap
@@ -249,8 +250,8 @@ class StaticDecoder:
         weights = self.weights
         if self.quantized_weights is not None and bucket <= QUANTIZED_MAX_ROWS:
             weights = self.quantized_weights
-        return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._cos, self._sin,
-                           self.queries, ranks if self.cache.config.ranks and reads_ranks else None)
+        return decode_step(weights, self.cache.buffers(), tokens, slots, slots, origins, self._rope, self.queries,
+                           ranks if self.cache.config.ranks and reads_ranks else None)
 
     def _capture(self) -> None:
         """One graph per bucket (two with ranks: with and without them), largest first, sharing one

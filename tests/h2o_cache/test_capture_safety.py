@@ -46,7 +46,7 @@ def recalling_decoder(request):
 def buffers_read(decoder: StaticDecoder) -> dict[str, int]:
     out = {name: t.data_ptr() for name, t in vars(decoder.cache.buffers()).items() if t is not None}
     return out | {"queries": decoder.queries.data_ptr(), "inputs": decoder._inputs.data_ptr(),
-                  "cos": decoder._cos.data_ptr(), "sin": decoder._sin.data_ptr()}
+                  "cos": decoder._cos.data_ptr(), "sin": decoder._sin.data_ptr(), "rope": decoder._rope.data_ptr()}
 
 
 @pytest.mark.parametrize("reads_ranks", [True, False], ids=["some-row-at-ranks", "no-row-at-ranks"])
