@@ -16,8 +16,10 @@
 // the vote of its original position modulo `positions`; each position's vote plus the votes of the
 // positions within `span` of it (summed in fp64, as `selection.span_votes`) scores every archived
 // token of every head, and each head takes its `window` tokens of most score (ties: the lower index),
-// in ascending order: by ranking only its tokens at the few hundred positions of the best scores
-// (`best_above`), or, where those cannot decide, all its tokens (`best_by_scan`). A slot whose token `held`
+// in ascending order: by ranking only its tokens at the few hundred positions of the best scores, found
+// through the row's position index where the Choice has one (`best_indexed`: the positions walked best
+// first, no origin read but those of the tokens it holds) or among its origins (`best_above`), or,
+// where those cannot decide, all its tokens (`best_by_scan`). A slot whose token `held`
 // names is among them keeps it; the other slots take the tokens not held yet (`recall.assign`): key,
 // value and origin copied from the archive, the key rotated to where its token stood in the text among
 // the row's own tokens (slots window .. length - 1; `recall.text_positions`), score 0. A slot that
@@ -72,6 +74,9 @@ struct Choice {
     double margin;          // a decode choice ranks a head's held tokens by their scores x (1 + margin)
     int64_t query_layer_stride;  // floats from one layer's queries to the next (0: heads x group x dim,
                                  // contiguous); a row of a batch's query buffer is read in place
+    int32_t* index;         // nullable: the row's position index (`PositionIndex`), [index_rows + 1][L x H]
+    int64_t index_rows;     // positions the index has rows for
+    int64_t* index_state;   // [1]: tokens per head indexed so far (0: the index is to be cleared first)
 };
 
 // The queries of `head` (layer * heads + h, of the call's layers): `group` rows of `dim` floats.
@@ -461,6 +466,109 @@ bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_
     return true;
 }
 
+// A decode choice's position index of a row's archive, for each head to find its tokens at the best
+// positions without reading all its origins (which, cold after the step, took most of the picks' time):
+// entry [p][head] (p < index_rows, head = layer * H + h of all the row's layers) is the head's archived
+// token at position p (its origin modulo `positions`) among the full blocks, -1 for none, or -2 where it
+// holds two there (a conversation longer than `positions`); row index_rows holds a flag per head, 1
+// where one of its tokens lay past the rows. A head with either takes its tokens as without the index.
+// Full blocks keep their indices until the archive drops its oldest blocks (`Archive.epoch`), when the
+// caller zeroes index_state; between, each call indexes the tokens of the blocks formed since the last.
+void update_index(const int64_t* origins_of, int64_t capacity, int64_t heads, int64_t n, int64_t mask,
+                  int32_t* index, int64_t rows, int64_t* state, int threads) {
+    int32_t* const flags = index + rows * heads;
+    int64_t from = *state;
+    if (from == 0 || from > n) {  // cleared (a new archive, epoch or table), or not this archive's: again
+        std::fill(index, index + (rows + 1) * heads, -1);
+        std::fill(flags, flags + heads, 0);
+        from = 0;
+    }
+    if (from == n) return;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n - from > 256)
+    for (int64_t head = 0; head < heads; ++head) {
+        const int64_t* origins = origins_of + head * capacity;
+        for (int64_t t = from; t < n; ++t) {
+            const int64_t p = origins[t] & mask;
+            if (p >= rows) {
+                flags[head] = 1;
+                continue;
+            }
+            int32_t& entry = index[p * heads + head];
+            entry = entry == -1 ? static_cast<int32_t>(t) : -2;
+        }
+    }
+    *state = n;
+}
+
+// The marked positions (a score above the threshold) as (score, position), the greatest score first
+// (ties: any order).
+struct Marked {
+    float score;
+    int32_t position;
+};
+void marked_by_score(const Ranked& s, int64_t first, int64_t last, std::vector<Marked>& order) {
+    order.clear();
+    for (int64_t w = first >> 6; w <= (last >> 6); ++w)
+        for (uint64_t word = s.above[w]; word; word &= word - 1) {
+            const int64_t p = w * 64 + __builtin_ctzll(word);
+            order.push_back({s.score[p], static_cast<int32_t>(p)});
+        }
+    std::sort(order.begin(), order.end(), [](const Marked& a, const Marked& b) { return a.score > b.score; });
+}
+
+// The tokens of `best_above` read from the position index: the head's tokens at the marked positions
+// that it does not hold, the best first, until r are taken and the next scores less than the r-th (the
+// ties of the r-th all taken, the lower index deciding among them as `rank_key` does), and with a
+// margin every token it holds (its score times the bonus, its position read from its origin); the r
+// best of those, ascending, into out. Returns false, having written nothing, where the index cannot
+// answer for the head (a position it holds twice) or fewer than r of the tokens it does not hold are
+// marked (as `best_above`).
+bool best_indexed(const Ranked& s, const std::vector<Marked>& order, const int32_t* index, int64_t heads,
+                  int64_t head, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
+                  int64_t* out) {
+    const int64_t words = (n + 63) / 64;
+    const bool favour = s.bonus != 1.0f;
+    h.keys.clear();
+    uint64_t* held_bits = nullptr;
+    if (favour) {
+        h.held.assign(words, 0);
+        held_bits = h.held.data();
+        for (int64_t j = 0; j < r; ++j) {
+            const int64_t t = held[j];
+            if (t >= 0 && t < n && !(held_bits[t >> 6] >> (t & 63) & 1)) {  // once
+                held_bits[t >> 6] |= 1ull << (t & 63);
+                h.keys.push_back(token_key(s, origins, t, true));
+            }
+        }
+    }
+    const int64_t base = static_cast<int64_t>(h.keys.size());
+    float rth = 0.0f;
+    for (const Marked& m : order) {
+        const float score = m.score;
+        const int64_t taken = static_cast<int64_t>(h.keys.size()) - base;
+        if (taken >= r && score < rth) break;
+        const int32_t t = index[m.position * heads + head];
+        if (t == -1) continue;
+        if (t < 0) return false;
+        if (favour && (held_bits[t >> 6] >> (t & 63) & 1)) continue;
+        h.keys.push_back(rank_key(score, t));
+        if (taken + 1 == r) rth = score;
+    }
+    const int64_t size = static_cast<int64_t>(h.keys.size());
+    if (size - base < r) return false;
+    if (size > r) std::nth_element(h.keys.begin(), h.keys.begin() + (r - 1), h.keys.end(), std::greater<uint64_t>());
+    h.chosen.assign(words, 0);
+    uint64_t* const chosen = h.chosen.data();
+    for (int64_t j = 0; j < r; ++j) {
+        const int64_t t = key_index(h.keys[j]);
+        chosen[t >> 6] |= 1ull << (t & 63);
+    }
+    int64_t k = 0;
+    for (int64_t w = 0; w < words; ++w)
+        for (uint64_t word = chosen[w]; word; word &= word - 1) out[k++] = w * 64 + __builtin_ctzll(word);
+    return true;
+}
+
 // Scratch of one thread: queries split into their parts, logits, masses, ranking keys.
 struct Scratch {
     std::vector<float> queries, logits, mass;
@@ -771,12 +879,24 @@ int choose(const Choice& c, int32_t* written) {
         static thread_local std::vector<uint64_t> above;
         const Ranked ranked = rank_positions(score_of, first, last, std::max<int64_t>(4 * r, 512), mask, bonus,
                                              positive, above);
+        // each head reads its tokens at the best positions from the row's position index, where it has one
+        const bool by_index = c.index != nullptr;
+        static thread_local std::vector<Marked> order_store;
+        const std::vector<Marked>& order = order_store;  // the parallel region's threads read this thread's
+        if (by_index) {
+            update_index(c.origins, c.capacity, heads, n, mask, c.index, c.index_rows, c.index_state, threads);
+            marked_by_score(ranked, first, last, order_store);
+        }
+        const int32_t* const flags = by_index ? c.index + c.index_rows * heads : nullptr;
 #pragma omp parallel num_threads(threads)
         {
             static thread_local HeadScratch scratch;  // kept: its vectors' pages are touched once
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
+                if (by_index && !flags[head] && best_indexed(ranked, order, c.index, heads, head, origins, n,
+                                                             c.held + head * r, r, scratch, chosen + head * r))
+                    continue;
                 if (!best_above(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r))
                     best_by_scan(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r);
             }
@@ -1001,9 +1121,10 @@ int h2o_recall_key_logits(const float* queries, int64_t G, int64_t D, const uint
 // One head's r tokens of a decode choice (ascending, into out) from the scores of `positions` positions
 // (a power of 2) and the head's n tokens' origins, as the choice takes them (margin: its held tokens'
 // factor is 1 + margin), by ranking its tokens of a score above the threshold (above nonzero,
-// `best_above`; cut > 0: the threshold that marks at most the best `cut` positions, else 0) or by
-// ranking every token (`best_by_scan`), for the tests. Returns 0; 2 where the tokens above the threshold
-// could not decide (nothing written); 1 where it cannot run.
+// `best_above`; cut > 0: the threshold that marks at most the best `cut` positions, else 0; above 2:
+// the same, read from a position index of the tokens, `best_indexed`) or by ranking
+// every token (`best_by_scan`), for the tests. Returns 0; 2 where the tokens above the threshold, or
+// the index, could not decide (nothing written); 1 where it cannot run.
 int h2o_recall_best_tokens(const float* score, int64_t positions, const int64_t* origins, int64_t n,
                            const int64_t* held, int64_t r, double margin, int above, int64_t cut, int64_t* out) {
     if (positions <= 0 || (positions & (positions - 1)) || r <= 0 || r > n || positions > (1ll << 32)) return 1;
@@ -1015,6 +1136,16 @@ int h2o_recall_best_tokens(const float* score, int64_t positions, const int64_t*
     if (!above) {
         best_by_scan(ranked, origins, n, held, r, scratch, out);
         return 0;
+    }
+    if (above == 2) {
+        std::vector<int32_t> index(positions + 1);
+        std::vector<Marked> order;
+        int64_t indexed = 0;
+        update_index(origins, n, 1, n / 2, positions - 1, index.data(), positions, &indexed, 1);  // in two calls
+        update_index(origins, n, 1, n, positions - 1, index.data(), positions, &indexed, 1);
+        marked_by_score(ranked, 0, positions - 1, order);
+        return !index[positions] && best_indexed(ranked, order, index.data(), 1, 0, origins, n, held, r, scratch, out)
+               ? 0 : 2;
     }
     return best_above(ranked, origins, n, held, r, scratch, out) ? 0 : 2;
 }

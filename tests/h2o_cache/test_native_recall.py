@@ -236,12 +236,14 @@ def test_a_head_takes_the_same_tokens_from_the_best_positions_as_by_ranking_them
     (`best_by_scan`): the same r tokens, ties (many here: scores in eighths) to the lower index, held
     tokens favoured by the margin, as a plain sort of every token says, with two tokens at one position
     of a conversation longer than the positions among them. Where fewer than r tokens it does not hold
-    score above the threshold (the rest tie at or below it) it says so and the scan decides."""
+    score above the threshold (the rest tie at or below it) it says so and the scan decides. The same
+    from a position index of the head's tokens (`best_indexed`), which says so too where a position
+    holds two of them."""
     lib = kernel()
     if lib is None:
         pytest.skip("no C++ compiler: the recall kernel is not built")
     generator = torch.Generator().manual_seed(1)
-    positions, decided, refused, shared = 256, 0, 0, 0
+    positions, decided, refused, shared, by_index, index_refused = 256, 0, 0, 0, 0, 0
     for case in range(300):
         n = int(torch.randint(8, 200, (), generator=generator))
         r = int(torch.randint(1, n + 1, (), generator=generator))
@@ -267,7 +269,15 @@ def test_a_head_takes_the_same_tokens_from_the_best_positions_as_by_ranking_them
                 decided += 1
                 shared += len(set((origins % positions).tolist())) < n
                 assert status == 0 and out.tolist() == expected
+            status, out = best_tokens(lib, score, origins, held, r, margin, above=2, cut=cut)
+            if status == 2:
+                index_refused += 1
+                assert (out == -7).all()
+            else:
+                by_index += 1
+                assert status == 0 and out.tolist() == expected
     assert decided > 100 and refused > 100 and shared > 10  # both ways, and positions held twice, were tried
+    assert by_index > 100 and index_refused > 100
 
 
 def test_the_kernel_writes_only_the_slots_whose_token_changed():
@@ -522,8 +532,8 @@ def test_rows_choosing_side_by_side_end_as_rows_choosing_one_by_one(monkeypatch,
     # others choose, and the call raises after
     prepare = native_recall._prepare
 
-    def refusing(cache, row, *args):
-        choice, written, tally, keep = prepare(cache, row, *args)
+    def refusing(cache, row, *args, **kwargs):
+        choice, written, tally, keep = prepare(cache, row, *args, **kwargs)
         if row == 2:
             choice.positions = 3  # not a power of two
         return choice, written, tally, keep
@@ -579,3 +589,51 @@ def test_whether_the_kernel_chooses_is_asked_again_when_the_buffers_or_the_confi
     assert not native_recall.supports(cache)
     cache._keys = keys
     assert native_recall.supports(cache)
+
+
+@pytest.mark.parametrize("positions", [native_recall.POSITIONS, 256])
+def test_a_decode_choice_reads_the_position_index_as_it_would_every_origin(monkeypatch, two_threads, positions):
+    """A decode choice's heads find their tokens at the best positions through the row's
+    `PositionIndex` (with no margin): the same windows, buffers and counts as a twin whose heads read
+    all their archived origins, choice after choice while the conversation grows: blocks formed
+    between choices (indexed from where the last call stopped), with and without the margin for held
+    tokens (`recall_margin`, the voters' choices), the archive's oldest blocks dropped
+    at its limit (a new epoch: indexed again), and, with 256 positions, tokens whose positions
+    coincide (a head with two at one position, or one past the index's rows, reads its origins)."""
+    model = tiny_llama(heads=8, kv_heads=2, init_std=0.3)
+    if kernel() is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    monkeypatch.setattr(native_recall, "POSITIONS", positions)
+    gen = Generator(model, ByteTokenizer())
+    indexed = rows_of_lengths(gen, ((4, 220, 0), (6, 260, 3)))
+    plain = twin(gen, indexed)
+    index_of = native_recall._index
+    generator = torch.Generator().manual_seed(5)
+    epochs, twice, read = set(), 0, 0
+    for step in range(14):
+        asked = indexed._queries + 2.0 * torch.randn(indexed._queries.shape, generator=generator)
+        few = {0, 1} if step % 2 else set()  # a burst's choices, and the voters' with the margin for held tokens
+        recall.refresh(indexed, asked, indexed.spec.scaling, [0, 1], few=few)  # side by side
+        monkeypatch.setattr(native_recall, "_index", lambda *args: None)
+        for row in (0, 1):
+            recall.refresh(plain, asked, plain.spec.scaling, [row], few=few)
+        monkeypatch.setattr(native_recall, "_index", index_of)
+        assert indexed.recall_count == plain.recall_count
+        for row in (0, 1):
+            assert torch.equal(recall.held(indexed, row), recall.held(plain, row))
+            a, b = row_state(indexed, row), row_state(plain, row)
+            assert all(torch.equal(a[name], b[name]) for name in a)
+            index, archive = native_recall._indexes[indexed][row], indexed.archives[row]
+            assert index.archive() is archive and index.epoch == archive.epoch
+            assert int(index.state[0]) == archive.full_blocks * archive.block  # every full block indexed
+            heads = archive.shape[0] * archive.shape[1]
+            table = index.table.view(index.rows + 1, heads)
+            twice += int((table[:-1] == -2).any(dim=0).sum())
+            read += int((table[:-1] >= 0).sum())
+            epochs.add((row, archive.epoch))
+        more = 40 if step % 3 == 2 else 6  # at times past the blocks a drop renumbered: indexed again
+        for cache in (indexed, plain):  # the conversations go on: blocks formed, oldest ones dropped
+            gen.prefill(cache, [random_tokens(more, seed=100 + step), random_tokens(more - 1, seed=200 + step)],
+                        recall=True)
+    assert read > 0 and len(epochs) > 2  # indexed, across a drop of each row's oldest blocks
+    assert (twice > 0) == (positions == 256)
