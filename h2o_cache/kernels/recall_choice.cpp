@@ -141,7 +141,7 @@ inline void score_items(int64_t G, int64_t count, int64_t stride, float* logits,
 }
 
 // p[0..n) <- softmax(p[0..n) * scaling), then mass[i] += p[i].
-inline void softmax_into(float* p, int64_t n, float scaling, float* mass) {
+inline void softmax_into(float* p, int64_t n, float scaling, float* mass, bool first = false) {
     const __m256 scale = _mm256_set1_ps(scaling);
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
@@ -166,6 +166,11 @@ inline void softmax_into(float* p, int64_t n, float scaling, float* mass) {
     for (int64_t j = i; j < n; ++j) total += (p[j] = expf(p[j] - top));
     const float inverse = 1.0f / total;
     const __m256 inverse8 = _mm256_set1_ps(inverse);
+    if (first) {  // mass <- p / total: what adding it to zeros gives, bit for bit, with no zeros written first
+        for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(mass + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inverse8));
+        for (int64_t j = i; j < n; ++j) mass[j] = p[j] * inverse;
+        return;
+    }
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(mass + i, _mm256_fmadd_ps(_mm256_loadu_ps(p + i), inverse8, _mm256_loadu_ps(mass + i)));
     for (int64_t j = i; j < n; ++j) mass[j] += p[j] * inverse;
@@ -667,10 +672,10 @@ void key_logits(const float* q, int64_t G, int64_t D, int64_t K, Key key, bool b
 }
 
 // Stage 2 for queries g0 .. g1 of one head: mass[k] += each query's softmax over the K candidate keys
-// (storage indices `keys_at`; null: the first K) of q.k * scaling (mass: K floats, not cleared). The
-// queries must be loaded (`load_queries`, the same range).
+// (storage indices `keys_at`; null: the first K) of q.k * scaling (mass: K floats; with `clear`, what
+// adding to zeros gives, written over it). The queries must be loaded (`load_queries`, the same range).
 void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int64_t* keys_at, int64_t K,
-                Scratch& s, float* mass) {
+                Scratch& s, float* mass, bool clear = false) {
     const int64_t B = c.block, D = c.dim, G = g1 - g0;
     const float* q = s.queries.data();
     const uint16_t* keys = c.half + head * c.capacity * D;
@@ -689,7 +694,7 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
             return keys + keys_at[k] * D;
         }, c.half_bf16, logits);
     }
-    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass);
+    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass, clear && g == 0);
 }
 
 // Stages 1-2 for one head, all its queries: its candidates' positions (their origins modulo `positions`,
@@ -707,13 +712,17 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* positions_out
         bound_part(c, head, 0, c.group, s, s.mass.data());
         best_of(s.mass.data(), N, C, s.keys, s.passed, s.best.data());
     }
+    const int64_t* const origins = c.origins + head * c.capacity;
+    const int64_t mask = c.positions - 1;
+    if (C == N) {  // every key, in storage order: no indices to write
+        exact_part(c, head, 0, c.group, nullptr, K, s, mass_out, true);
+        for (int64_t k = 0; k < K; ++k) positions_out[k] = origins[k] & mask;
+        return;
+    }
     int64_t* const keys = positions_out;  // the candidates' key indices, then their positions
     for (int64_t j = 0; j < C; ++j)
         for (int64_t i = 0; i < B; ++i) keys[j * B + i] = s.best[j] * B + i;
-    std::fill(mass_out, mass_out + K, 0.0f);
-    exact_part(c, head, 0, c.group, C == N ? nullptr : keys, K, s, mass_out);
-    const int64_t* const origins = c.origins + head * c.capacity;
-    const int64_t mask = c.positions - 1;
+    exact_part(c, head, 0, c.group, keys, K, s, mass_out, true);
     for (int64_t k = 0; k < K; ++k) positions_out[k] = origins[keys[k]] & mask;
 }
 
