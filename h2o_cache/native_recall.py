@@ -260,8 +260,9 @@ _INDEX_ROWS = 4096  # a row's index grows by whole multiples of this many positi
 
 
 def _index(cache, row: int, archive) -> PositionIndex:
-    """The row's `PositionIndex`, made again where the archive is another, its blocks were renumbered
-    (`Archive.epoch`) or the positions seen outgrew it."""
+    """The row's `PositionIndex`: made again where the archive is another or the positions seen outgrew
+    it, and emptied (the kernel indexes it again) where the archive's blocks were renumbered
+    (`Archive.epoch`)."""
     indexes = _indexes.setdefault(cache, {})
     index = indexes.get(row)
     seen = min(cache.seen[row], POSITIONS)

@@ -407,6 +407,23 @@ void best_by_scan(const Ranked& s, const int64_t* origins, int64_t n, const int6
     best_of_keys(h.keys, n, r, h.passed, out);
 }
 
+// The indices of the r greatest of h.keys (`rank_key`s of the head's n tokens, all distinct), ascending,
+// into out by their bits in h.chosen; h.keys is reordered.
+void best_ascending(HeadScratch& h, int64_t n, int64_t r, int64_t* out) {
+    const int64_t words = (n + 63) / 64;
+    h.chosen.assign(words, 0);
+    uint64_t* const chosen = h.chosen.data();  // a local: a store through it may alias what h holds
+    int64_t size;
+    const uint64_t* const best = greatest_first(h.keys.data(), static_cast<int64_t>(h.keys.size()), r, h.passed, size);
+    for (int64_t j = 0; j < r; ++j) {
+        const int64_t t = key_index(best[j]);
+        chosen[t >> 6] |= 1ull << (t & 63);
+    }
+    int64_t k = 0;
+    for (int64_t w = 0; w < words; ++w)
+        for (uint64_t word = chosen[w]; word; word &= word - 1) out[k++] = w * 64 + __builtin_ctzll(word);
+}
+
 // The same tokens as `best_by_scan`, ranking only the head's tokens at the marked positions (those of a
 // score above the threshold: ~the threshold's `want` of them, not all n) that it does not hold, and
 // (with a bonus) every token it holds. Where at least r tokens it does not hold score above the
@@ -419,11 +436,9 @@ bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_
                 int64_t* out) {
     const int64_t words = (n + 63) / 64;
     h.held.assign(words, 0);
-    h.chosen.assign(words, 0);
     h.hits.resize(n);
     // locals, not members: a store through the hits or the bits may alias anything read through s or h
     uint64_t* const held_bits = h.held.data();
-    uint64_t* const chosen = h.chosen.data();
     int64_t* const hits = h.hits.data();
     const uint64_t* const above = s.above;
     const int64_t mask = s.mask;
@@ -458,16 +473,7 @@ bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_
             }
         }
     }
-    // the r best of ~want + what the head holds, then their indices in ascending order by their bits
-    int64_t size;
-    const uint64_t* const best = greatest_first(h.keys.data(), static_cast<int64_t>(h.keys.size()), r, h.passed, size);
-    for (int64_t j = 0; j < r; ++j) {
-        const int64_t t = key_index(best[j]);
-        chosen[t >> 6] |= 1ull << (t & 63);
-    }
-    int64_t k = 0;
-    for (int64_t w = 0; w < words; ++w)
-        for (uint64_t word = chosen[w]; word; word &= word - 1) out[k++] = w * 64 + __builtin_ctzll(word);
+    best_ascending(h, n, r, out);  // the r best of ~want + what the head holds
     return true;
 }
 
@@ -559,18 +565,8 @@ bool best_indexed(const Ranked& s, const std::vector<Marked>& order, const int32
         h.keys.push_back(rank_key(score, t));
         if (taken + 1 == r) rth = score;
     }
-    const int64_t size = static_cast<int64_t>(h.keys.size());
-    if (size - base < r) return false;
-    if (size > r) std::nth_element(h.keys.begin(), h.keys.begin() + (r - 1), h.keys.end(), std::greater<uint64_t>());
-    h.chosen.assign(words, 0);
-    uint64_t* const chosen = h.chosen.data();
-    for (int64_t j = 0; j < r; ++j) {
-        const int64_t t = key_index(h.keys[j]);
-        chosen[t >> 6] |= 1ull << (t & 63);
-    }
-    int64_t k = 0;
-    for (int64_t w = 0; w < words; ++w)
-        for (uint64_t word = chosen[w]; word; word &= word - 1) out[k++] = w * 64 + __builtin_ctzll(word);
+    if (static_cast<int64_t>(h.keys.size()) - base < r) return false;
+    best_ascending(h, n, r, out);
     return true;
 }
 
@@ -671,11 +667,12 @@ void key_logits(const float* q, int64_t G, int64_t D, int64_t K, Key key, bool b
     else dot_keys<false>(q, G, D, K, key, logits);
 }
 
-// Stage 2 for queries g0 .. g1 of one head: mass[k] += each query's softmax over the K candidate keys
-// (storage indices `keys_at`; null: the first K) of q.k * scaling (mass: K floats; with `clear`, what
-// adding to zeros gives, written over it). The queries must be loaded (`load_queries`, the same range).
+// Stage 2 for queries g0 .. g1 of one head: mass[k] <- each query's softmax over the K candidate keys
+// (storage indices `keys_at`; null: the first K) of q.k * scaling, summed over the queries (mass: K
+// floats, written over: the first query's as adding it to zeros gives). The queries must be loaded
+// (`load_queries`, the same range).
 void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int64_t* keys_at, int64_t K,
-                Scratch& s, float* mass, bool clear = false) {
+                Scratch& s, float* mass) {
     const int64_t B = c.block, D = c.dim, G = g1 - g0;
     const float* q = s.queries.data();
     const uint16_t* keys = c.half + head * c.capacity * D;
@@ -694,7 +691,7 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
             return keys + keys_at[k] * D;
         }, c.half_bf16, logits);
     }
-    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass, clear && g == 0);
+    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * K, K, static_cast<float>(c.scaling), mass, g == 0);
 }
 
 // Stages 1-2 for one head, all its queries: its candidates' positions (their origins modulo `positions`,
@@ -715,14 +712,14 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* positions_out
     const int64_t* const origins = c.origins + head * c.capacity;
     const int64_t mask = c.positions - 1;
     if (C == N) {  // every key, in storage order: no indices to write
-        exact_part(c, head, 0, c.group, nullptr, K, s, mass_out, true);
+        exact_part(c, head, 0, c.group, nullptr, K, s, mass_out);
         for (int64_t k = 0; k < K; ++k) positions_out[k] = origins[k] & mask;
         return;
     }
     int64_t* const keys = positions_out;  // the candidates' key indices, then their positions
     for (int64_t j = 0; j < C; ++j)
         for (int64_t i = 0; i < B; ++i) keys[j * B + i] = s.best[j] * B + i;
-    exact_part(c, head, 0, c.group, keys, K, s, mass_out, true);
+    exact_part(c, head, 0, c.group, keys, K, s, mass_out);
     for (int64_t k = 0; k < K; ++k) positions_out[k] = origins[keys[k]] & mask;
 }
 
