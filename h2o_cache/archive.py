@@ -109,6 +109,12 @@ class Archive:
         return self.stored // self.block
 
     @property
+    def version(self) -> tuple[int, int, int]:
+        """Changes whenever what `storage` returns may have: tokens held (an append, which may form
+        blocks), capacity (the storage reallocated) or epoch (blocks dropped, a state loaded)."""
+        return self.stored, self._capacity, self.epoch
+
+    @property
     def nbytes(self) -> int:
         """Host bytes of the held tokens (keys, values, scores, origins and digests)."""
         per_token = (2 * self.head_dim * self.dtype.itemsize + 4 + 8 + 2 * self.head_dim * 2 / self.block

@@ -102,6 +102,9 @@ class H2OCache:
         self._keeps_scratch = False  # see `reserve`
         self._scratch: torch.Tensor | None = None  # what an eviction keeps, on its way back (`compaction.kept_vectors`)
         self._window_copy: recall.WindowCopy | None = None  # see `keep_window_copy`
+        # bumped whenever the buffers or the window's copy are replaced, or the copy starts or stops being
+        # read: what a kernel keeps pointers into (`native_recall.choose_again`) is then built again
+        self.layout = 0
         self.archives: list[Archive | None] = []
         self.recalled: list[int] = []
         self.windows: list[tuple[int, torch.Tensor] | None] = []  # (archive epoch, [L, H_kv, blocks])
@@ -229,6 +232,7 @@ class H2OCache:
         spec = self.spec
         shape = (spec.num_layers, rows, spec.num_kv_heads, capacity, spec.head_dim)
         old = self._buffers()
+        self.layout += 1
         self._keys = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
         self._values = torch.zeros(shape, device=spec.device, dtype=spec.dtype)
         if self.config.rolling:
@@ -255,6 +259,7 @@ class H2OCache:
         the window from it (the CPU's native step); with recall in an fp32 cache only."""
         if self.config.recalls and self.spec.dtype == torch.float32 and self._window_copy is None:
             self._window_copy = recall.WindowCopy(self, self._rows_capacity)
+            self.layout += 1
 
     def ranked(self, row: int, n_new: int = 1) -> bool:
         """Whether a pass feeding row `row` n_new tokens reads its held keys at their ranks in the order
@@ -284,8 +289,9 @@ class H2OCache:
     def read_window_copy(self, read: bool) -> None:
         """Whether the next steps read the window's copy (where one is kept): while not, the kernel's
         choices and placements do not write it and mark the rows they write (`window_changed`)."""
-        if self._window_copy is not None:
+        if self._window_copy is not None and self._window_copy.read != read:
             self._window_copy.read = read
+            self.layout += 1
 
     # ----- one forward pass (`h2o_cache.forward_pass`) ---------------------------------------------
 

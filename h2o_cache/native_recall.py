@@ -53,7 +53,8 @@ class _Choice(ctypes.Structure):
                    ("window_layer_stride", ctypes.c_int64), ("window_head_stride", ctypes.c_int64),
                    ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double),
                    ("query_layer_stride", ctypes.c_int64),
-                   ("index", ctypes.c_void_p), ("index_rows", ctypes.c_int64), ("index_state", ctypes.c_void_p)])
+                   ("index", ctypes.c_void_p), ("index_rows", ctypes.c_int64), ("index_state", ctypes.c_void_p),
+                   ("total", ctypes.c_void_p)])
 
 
 class _Placement(ctypes.Structure):
@@ -136,21 +137,21 @@ def _run(function, cache, row: int, queries: torch.Tensor, scaling: float, layer
          window: bool = True, voters: list[int] | None = None, margin: float = 0.0, indexed: bool = False) -> None:
     """Call a choice of the kernel on the row's archive and window, for the layers `layers` (window
     False: only the row's `recall.held` is written; voters, margin, indexed: see `_prepare`)."""
-    choice, written, tally, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters, margin,
+    choice, written, total, keep = _prepare(cache, row, queries, scaling, layers, span, window, voters, margin,
                                             indexed)
     status = function(ctypes.byref(choice), written.data_ptr())
     if status:
         raise ValueError(f"the native recall choice refused its input (status {status})")
     if window:
-        _chose(cache, row, choice, tally)
+        _chose(cache, row, choice, total)
 
 
-def _chose(cache, row: int, choice: _Choice, tally) -> None:
-    """After a row's choice wrote its window: count the slots rewritten (`tally`, a ctypes view of the
-    counts it wrote per layer and head: summed without a torch op, which after the kernel's pass over
-    the archive took ~60 µs of a batch-1 step), and mark the row where the Choice had no window copy to
+def _chose(cache, row: int, choice: _Choice, total: ctypes.c_int64) -> None:
+    """After a row's choice wrote its window: count the slots rewritten (`total`, which the kernel
+    wrote: a torch sum of the counts per layer and head took ~60 µs of a batch-1 step after the kernel's
+    pass over the archive, a Python one ~40), and mark the row where the Choice had no window copy to
     write (a copy no step reads now: it is copied again before one does)."""
-    cache.recall_count[row] += sum(tally)
+    cache.recall_count[row] += total.value
     if not choice.window_keys:
         cache.window_changed(row)
 
@@ -175,11 +176,11 @@ def choose_many(cache, asked: list[tuple[int, torch.Tensor]], scaling: float, sp
     statuses = torch.zeros(len(prepared), dtype=torch.int32)
     kernel().h2o_recall_choose_rows(choices, len(prepared), written, statuses.data_ptr(), torch.get_num_threads())
     refused = []
-    for (row, choice, _, tally, _), status in zip(prepared, statuses.tolist()):
+    for (row, choice, _, total, _), status in zip(prepared, statuses.tolist()):
         if status:
             refused.append((row, status))
             continue
-        _chose(cache, row, choice, tally)
+        _chose(cache, row, choice, total)
         if done is not None:
             done.append(row)
     if refused:
@@ -218,7 +219,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         entry = (sources, *_build(cache, row, storage, first, end, span, scaling, window, voters,
                                   queries.shape[2], cos, sin))
         kept[(row, first, end, window)] = entry
-    _, choice, written, tally, keep = entry
+    _, choice, written, total, keep = entry
     choice.queries = queries.data_ptr()
     choice.query_layer_stride = queries.stride(0)
     choice.length = cache.lengths[row]
@@ -228,10 +229,78 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         choice.index = choice.index_state = None
     else:
         choice.index, choice.index_rows, choice.index_state = index.table_pointer, index.rows, index.state_pointer
-    return choice, written, tally, (queries, *keep)
+        if window:
+            _again.setdefault(cache, {})[row] = _Again(cache, row, archive, choice, written, total, (queries, *keep),
+                                                       voters, margin, index)
+    return choice, written, total, (queries, *keep)
 
 
-# A cache's kept `Choice`s: (row, first layer, end, window) -> (sources, Choice, written, its tally, tensors kept)
+class _Again:
+    """What a row's last decode choice over all layers was made with (`_prepare`), and what it would
+    have to equal for the next to be made with the same `Choice` (`choose_again`): the row's archive (held
+    weakly) at the same version, the same buffers and window copy (`H2OCache.layout`), the same row
+    (`epochs`), window and held tokens' tensor, RoPE table, config, threads, voters and margin."""
+
+    __slots__ = ("archive", "stamp", "windows", "cos", "config", "choice", "written", "total", "keep", "votes",
+                 "queries", "index", "call")
+
+    def __init__(self, cache, row, archive, choice, written, total, keep, voters, margin, index):
+        self.archive = weakref.ref(archive)
+        self.stamp = _stamp(cache, row, archive)
+        self.windows = cache.windows[row]  # the tuple whose tensor the Choice's `held` points into
+        self.cos = cache.spec.rope.cos  # the table its cos and sin point into
+        self.config = cache.config
+        self.choice, self.written, self.total, self.keep = choice, written, total, keep
+        self.votes = (None if voters is None else tuple(voters), margin)
+        self.queries = None  # the batch's queries it was last made again with, as checked (`choose_again`)
+        self.index = index  # the position index it points at
+        self.call = (kernel().h2o_recall_choose, ctypes.byref(choice), written.data_ptr())
+
+
+def _stamp(cache, row: int, archive) -> tuple:
+    return (*archive.version, cache.layout, cache.epochs[row], cache.recalled[row], torch.get_num_threads())
+
+
+def choose_again(cache, row: int, queries: torch.Tensor, scaling: float, voters: list[int] | None,
+                 margin: float) -> bool:
+    """`choose` for the row with queries[:, row] ([L, B, H_q, D], the batch's queries), made with the
+    `Choice` of the row's last decode choice where nothing it points at or was built from has changed
+    since (`_Again`): its queries, length and index set, nothing else read or built (the whole way there,
+    `recall.refresh` to `_prepare`, is ~0.15 ms of Python at every step of a conversation choosing at
+    every step, ~3% of the step). Returns False, having done nothing, where it cannot."""
+    entry = _again.get(cache, {}).get(row)
+    archive = cache.archives[row]
+    if (entry is None or archive is None or entry.archive() is not archive or entry.stamp != _stamp(cache, row, archive)
+            or cache.windows[row] is not entry.windows or cache.config is not entry.config
+            or cache.spec.rope.cos is not entry.cos or cache.lengths[row] > entry.cos.shape[0]
+            or entry.votes != (None if voters is None else tuple(voters), margin)
+            or entry.choice.scaling != scaling):
+        return False
+    choice = entry.choice
+    if queries is not entry.queries:  # the same tensor as last time: its row where the Choice reads (a
+        # tensor's place and strides change only where it is replaced: the cache's own is, with its buffers)
+        if (queries.dtype != torch.float32 or queries.device.type != "cpu" or queries.stride(3) != 1
+                or queries.stride(2) != queries.shape[3] or queries.stride(0) != choice.query_layer_stride
+                or queries.data_ptr() + row * queries.stride(1) * queries.element_size() != choice.queries):
+            return False
+        entry.queries = queries
+    choice.length = cache.lengths[row]
+    if entry.index.rows < min(cache.seen[row], POSITIONS):  # outgrown: made again (the epoch is the stamp's)
+        index = entry.index = _index(cache, row, archive)
+        choice.index, choice.index_rows, choice.index_state = index.table_pointer, index.rows, index.state_pointer
+    function, *args = entry.call
+    status = function(*args)
+    if status:
+        raise ValueError(f"the native recall choice refused its input (status {status})")
+    _chose(cache, row, choice, entry.total)
+    return True
+
+
+# A cache's rows' last decode choices: row -> _Again
+_again: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# A cache's kept `Choice`s: (row, first layer, end, window) -> (sources, Choice, written, its total, tensors kept)
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -307,7 +376,7 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
     archive = cache.archives[row]
     heads = archive.shape[1]
     written = torch.zeros(end - first, heads, dtype=torch.int32)
-    tally = (ctypes.c_int32 * written.numel()).from_address(written.data_ptr())
+    total = ctypes.c_int64(0)
     blocks = r // archive.block
     ranked = storage["half"] if archive.dtype == torch.float32 else storage["keys"]  # 16-bit keys
     fields = dict(
@@ -318,7 +387,8 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), half=ranked[first].data_ptr(),
         half_bf16=int(archive.dtype == torch.bfloat16), archive_fp16=int(archive.dtype == torch.float16),
-        held=recall.held(cache, row)[first:end].data_ptr())  # a view: contiguous, as the layers are
+        held=recall.held(cache, row)[first:end].data_ptr(),  # a view: contiguous, as the layers are
+        total=ctypes.addressof(total))
     keep: tuple = ()  # what the Choice points at that nothing else holds; not the archive's storage,
     # which a kept Choice must not hold on to after the archive grows (the sources then differ)
     if voters is not None:  # only these layers' keys are read; every head takes its tokens by their votes
@@ -345,7 +415,7 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         if copy is not None:
             fields |= dict(window_keys=copy[0, first, row].data_ptr(), window_values=copy[1, first, row].data_ptr(),
                            window_layer_stride=copy.stride(1), window_head_stride=copy.stride(3))
-    return _Choice(**fields), written, tally, keep
+    return _Choice(**fields), written, total, keep
 
 
 @torch.no_grad()

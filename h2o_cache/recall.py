@@ -142,6 +142,10 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     of `few` by the votes of `recall_voters`' layers). The rows that chose go to `done`; a row whose
     choice raises ends the call, and a window it grew holds the archive's newest blocks."""
     rows = list(range(cache.batch_size) if rows is None else rows)
+    if len(rows) < max(2, torch.get_num_threads()):  # rows choosing one after the other (`choose_rows`):
+        rows = _again(cache, queries, scaling, rows, done, few)  # each, where it can, as its last one was made
+        if not rows:
+            return
     grown = [row for row in rows if grow(cache, row, fill_newest=False)]  # the choice writes every slot of it
     chose: list[int] = []
     asked = [row for row in rows if cache.recalled[row]]
@@ -160,6 +164,23 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     finally:
         if done is not None:
             done.extend(chose)
+
+
+def _again(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int], done: list[int] | None,
+           few: set[int] | frozenset[int]) -> list[int]:
+    """Make the decode choice of each of `rows` that can be made as its last one was
+    (`native_recall.choose_again`: nothing it was built from has changed, so the window cannot grow,
+    and the kernel chooses); those go to `done`. Returns the others, in order."""
+    few_layers = cache.config.voter_layers(cache.spec.num_layers) if few else None
+    rest = []
+    for row in rows:
+        voters, margin = (few_layers, cache.config.recall_margin) if row in few else (None, 0.0)
+        if native_recall.choose_again(cache, row, queries, scaling, voters, margin):
+            if done is not None:
+                done.append(row)
+        else:
+            rest.append(row)
+    return rest
 
 
 @torch.no_grad()

@@ -77,6 +77,7 @@ struct Choice {
     int32_t* index;         // nullable: the row's position index (`PositionIndex`), [index_rows + 1][L x H]
     int64_t index_rows;     // positions the index has rows for
     int64_t* index_state;   // [1]: tokens per head indexed so far (0: the index is to be cleared first)
+    int64_t* total;         // nullable: [1] <- the slots the choice rewrote, all heads summed
 };
 
 // The queries of `head` (layer * heads + h, of the call's layers): `group` rows of `dim` floats.
@@ -394,6 +395,14 @@ inline uint64_t token_key(const Ranked& s, const int64_t* origins, int64_t t, bo
     return rank_key(held ? score * s.bonus : score, t);
 }
 
+// The ranking key of the token t that a head's window slot j holds: its origin read from the window
+// (held_origins: the window's origins, which a slot's copy of its token holds; nullable: the archive's,
+// a scattered read, cold after the step, for each of the r held tokens of each of the 90 heads).
+inline uint64_t held_key(const Ranked& s, const int64_t* origins, const int64_t* held_origins, int64_t j, int64_t t) {
+    const int64_t origin = held_origins ? held_origins[j] : origins[t];
+    return rank_key(s.score[origin & s.mask] * s.bonus, t);
+}
+
 // The head's r tokens of most score (a held token's times the bonus; ties: the lower index), ascending,
 // into out: every one of its n tokens ranked.
 void best_by_scan(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
@@ -432,8 +441,8 @@ void best_ascending(HeadScratch& h, int64_t n, int64_t r, int64_t* out) {
 // tokens at one position of a conversation longer than the positions rank as the scan ranks them).
 // Returns false, having written nothing, where fewer than r do (the rest tie at or below the
 // threshold, where the lower index decides).
-bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
-                int64_t* out) {
+bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, const int64_t* held_origins,
+                int64_t r, HeadScratch& h, int64_t* out) {
     const int64_t words = (n + 63) / 64;
     h.held.assign(words, 0);
     h.hits.resize(n);
@@ -469,7 +478,7 @@ bool best_above(const Ranked& s, const int64_t* origins, int64_t n, const int64_
             const int64_t t = held[j];
             if (t >= 0 && t < n && (held_bits[t >> 6] >> (t & 63) & 1)) {
                 held_bits[t >> 6] &= ~(1ull << (t & 63));  // once
-                h.keys.push_back(token_key(s, origins, t, true));
+                h.keys.push_back(held_key(s, origins, held_origins, j, t));
             }
         }
     }
@@ -535,8 +544,8 @@ void marked_by_score(const Ranked& s, int64_t first, int64_t last, std::vector<M
 // answer for the head (a position it holds twice) or fewer than r of the tokens it does not hold are
 // marked (as `best_above`).
 bool best_indexed(const Ranked& s, const std::vector<Marked>& order, const int32_t* index, int64_t heads,
-                  int64_t head, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
-                  int64_t* out) {
+                  int64_t head, const int64_t* origins, int64_t n, const int64_t* held, const int64_t* held_origins,
+                  int64_t r, HeadScratch& h, int64_t* out) {
     const int64_t words = (n + 63) / 64;
     const bool favour = s.bonus != 1.0f;
     h.keys.clear();
@@ -548,7 +557,7 @@ bool best_indexed(const Ranked& s, const std::vector<Marked>& order, const int32
             const int64_t t = held[j];
             if (t >= 0 && t < n && !(held_bits[t >> 6] >> (t & 63) & 1)) {  // once
                 held_bits[t >> 6] |= 1ull << (t & 63);
-                h.keys.push_back(token_key(s, origins, t, true));
+                h.keys.push_back(held_key(s, origins, held_origins, j, t));
             }
         }
     }
@@ -762,6 +771,7 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
     int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
     constexpr int64_t ahead = 4;  // the archive's rows are scattered and cold: fetched a few slots early
     for (int64_t i = 0; i < count; ++i) {
+        if (i + 2 * ahead < count) _mm_prefetch(reinterpret_cast<const char*>(origins + incoming[i + 2 * ahead]), _MM_HINT_T0);
         if (i + ahead < count)
             for (int64_t b = 0; b < D * bytes; b += 64) {
                 _mm_prefetch(keys + incoming[i + ahead] * D * bytes + b, _MM_HINT_T0);
@@ -796,7 +806,7 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
 }
 
 // Every head's window <- its `window` tokens of `chosen` ([heads][window], each ascending); written[head]:
-// the slots rewritten. Returns nonzero where a head's held tokens were not distinct (nothing is lost:
+// the slots rewritten (their sum into c.total, where given). Returns nonzero where a head's held tokens were not distinct (nothing is lost:
 // that head is left as it was).
 int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window;
@@ -816,6 +826,7 @@ int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
             }
         }
     }
+    if (c.total) *c.total = std::accumulate(written, written + heads, int64_t{0});
     return status;
 }
 
@@ -900,10 +911,14 @@ int choose(const Choice& c, int32_t* written) {
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
+                const int64_t* held_origins = c.cache_origins ? c.cache_origins + (head / c.heads) * c.origin_layer_stride
+                                                                    + (head % c.heads) * c.origin_head_stride
+                                                              : nullptr;
                 if (by_index && !flags[head] && best_indexed(ranked, order, c.index, heads, head, origins, n,
-                                                             c.held + head * r, r, scratch, chosen + head * r))
+                                                             c.held + head * r, held_origins, r, scratch,
+                                                             chosen + head * r))
                     continue;
-                if (!best_above(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r))
+                if (!best_above(ranked, origins, n, c.held + head * r, held_origins, r, scratch, chosen + head * r))
                     best_by_scan(ranked, origins, n, c.held + head * r, r, scratch, chosen + head * r);
             }
         }
@@ -1150,10 +1165,10 @@ int h2o_recall_best_tokens(const float* score, int64_t positions, const int64_t*
         update_index(origins, n, 1, n / 2, positions - 1, index.data(), positions, &indexed, 1);  // in two calls
         update_index(origins, n, 1, n, positions - 1, index.data(), positions, &indexed, 1);
         marked_by_score(ranked, 0, positions - 1, order);
-        return !index[positions] && best_indexed(ranked, order, index.data(), 1, 0, origins, n, held, r, scratch, out)
+        return !index[positions] && best_indexed(ranked, order, index.data(), 1, 0, origins, n, held, nullptr, r, scratch, out)
                ? 0 : 2;
     }
-    return best_above(ranked, origins, n, held, r, scratch, out) ? 0 : 2;
+    return best_above(ranked, origins, n, held, nullptr, r, scratch, out) ? 0 : 2;
 }
 
 // Choose and fill one row's recall window in a few layers by whole blocks, for a prefill chunk's

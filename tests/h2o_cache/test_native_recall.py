@@ -631,3 +631,63 @@ def test_a_decode_choice_reads_the_position_index_as_it_would_every_origin(monke
                         recall=True)
     assert read > 0 and len(epochs) > 2  # indexed, across a drop of each row's oldest blocks
     assert (twice > 0) == (positions == 256)
+
+
+def test_a_decode_choice_made_again_with_its_kept_choice_ends_as_one_made_the_whole_way(monkeypatch):
+    """A conversation decoding with a choice at every step: where nothing a row's last decode choice was
+    built from has changed, the next is made with its kept `Choice` (`native_recall.choose_again`),
+    and the conversation ends with the same windows, buffers, copies and counts, step by step, as a twin
+    whose every choice goes the whole way (`recall.refresh` to `_prepare`). It is not made again after
+    what would leave the kept one pointing at what moved or built with what changed: an eviction's
+    archived tokens (blocks formed), the buffers reallocated (`H2OCache.layout`: a pass outgrowing them, or
+    `reserve`), the window's copy kept or no longer read, the burst's choices giving way to the voters'
+    (another margin); and is made again at every other step."""
+    model = tiny_llama(heads=8, kv_heads=2, init_std=0.3)
+    if kernel() is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    gen = Generator(model, ByteTokenizer())
+    again = rows_of_lengths(gen, ((4, 220, 0),))
+    whole = twin(gen, again)
+    choose_again = native_recall.choose_again
+    made = []
+
+    def counted(cache, *args):
+        if cache is whole:
+            return False
+        done = choose_again(cache, *args)
+        made.append(done)
+        return done
+
+    monkeypatch.setattr(native_recall, "choose_again", counted)
+    changes = {22: lambda c: (c.keep_window_copy(), c.window_copy()), 33: lambda c: c.read_window_copy(False),
+               44: lambda c: c.reserve(c.batch_size, c._capacity + 64)}  # between evictions (every 5th step)
+    seen = []  # per step: the archive's version and the buffers' layout its choice saw
+    for step, token in enumerate(random_tokens(56, seed=9)):
+        for cache in (again, whole):
+            changes.get(step, lambda c: None)(cache)
+        seen.append((again.archives[0].version, again.layout))
+        for cache in (again, whole):
+            gen.step(cache, [[token]])
+        assert len(made) == step + 1  # one choice a step, before the pass
+        assert torch.equal(recall.held(again, 0), recall.held(whole, 0))
+        a, b = row_state(again, 0), row_state(whole, 0)
+        assert all(torch.equal(a[name], b[name]) for name in a), step
+        assert again.recall_count == whole.recall_count
+        if again.window_copy(current=False) is not None:
+            assert torch.equal(again.window_copy(), whole.window_copy())
+    assert again.recall_count[0] > 0
+    archived = {step for step in range(1, len(seen)) if seen[step][0] != seen[step - 1][0]}
+    moved = {step for step in range(1, len(seen)) if seen[step][1] != seen[step - 1][1]}
+    refused = {0, *archived, *moved, again.config.recall_burst}
+    assert len(archived) > 5 and {22, 33, 44} <= moved and not archived & {22, 33, 44}
+    assert [step for step, done in enumerate(made) if not done] == sorted(refused)
+    # made again only with the scaling, voters and margin it was built with
+    voters, margin = again.config.voter_layers(again.spec.num_layers), again.config.recall_margin
+    scaling = again.spec.scaling
+    assert not choose_again(again, 0, again._queries, 2 * scaling, voters, margin)
+    assert not choose_again(again, 0, again._queries, scaling, voters, 2 * margin)
+    assert not choose_again(again, 0, again._queries, scaling, [0], margin)
+    assert not choose_again(again, 0, again._queries.clone(), scaling, voters, margin)  # queries elsewhere
+    count = again.recall_count[0]
+    assert choose_again(again, 0, again._queries + 1.0, scaling, voters, margin) is False  # a temporary: elsewhere
+    assert choose_again(again, 0, again._queries, scaling, voters, margin) and again.recall_count[0] >= count
