@@ -691,3 +691,6 @@ def test_a_decode_choice_made_again_with_its_kept_choice_ends_as_one_made_the_wh
     count = again.recall_count[0]
     assert choose_again(again, 0, again._queries + 1.0, scaling, voters, margin) is False  # a temporary: elsewhere
     assert choose_again(again, 0, again._queries, scaling, voters, margin) and again.recall_count[0] >= count
+    rope = again.spec.rope  # a RoPE table grown (replaced) since: built again
+    rope.get(2 * rope.cos.shape[0])
+    assert not choose_again(again, 0, again._queries, scaling, voters, margin)
