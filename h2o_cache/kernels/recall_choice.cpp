@@ -403,6 +403,12 @@ inline uint64_t held_key(const Ranked& s, const int64_t* origins, const int64_t*
     return rank_key(s.score[origin & s.mask] * s.bonus, t);
 }
 
+// The window's origins of a Choice that writes the window (cache_origins given), of layer `layer`'s
+// KV head h: slot j's at [j].
+inline int64_t* window_origins(const Choice& c, int64_t layer, int64_t h) {
+    return c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
+}
+
 // The head's r tokens of most score (a held token's times the bonus; ties: the lower index), ascending,
 // into out: every one of its n tokens ranked.
 void best_by_scan(const Ranked& s, const int64_t* origins, int64_t n, const int64_t* held, int64_t r, HeadScratch& h,
@@ -768,7 +774,7 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
     float widened[2 * 512];  // an fp16 archive's key and value, in fp32 (D <= 512)
     const int64_t at = layer * c.kv_layer_stride + h * c.kv_head_stride;
     float* scores = c.cache_scores ? c.cache_scores + layer * c.score_layer_stride + h * c.score_head_stride : nullptr;
-    int64_t* cache_origins = c.cache_origins + layer * c.origin_layer_stride + h * c.origin_head_stride;
+    int64_t* cache_origins = window_origins(c, layer, h);
     constexpr int64_t ahead = 4;  // the archive's rows are scattered and cold: fetched a few slots early
     for (int64_t i = 0; i < count; ++i) {
         if (i + 2 * ahead < count) _mm_prefetch(reinterpret_cast<const char*>(origins + incoming[i + 2 * ahead]), _MM_HINT_T0);
@@ -806,8 +812,8 @@ int32_t fill_head(const Choice& c, int64_t layer, int64_t h, const int64_t* toke
 }
 
 // Every head's window <- its `window` tokens of `chosen` ([heads][window], each ascending); written[head]:
-// the slots rewritten (their sum into c.total, where given). Returns nonzero where a head's held tokens were not distinct (nothing is lost:
-// that head is left as it was).
+// the slots rewritten (their sum into c.total, where given). Returns nonzero where a head's held tokens
+// were not distinct (nothing is lost: that head is left as it was).
 int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window;
     int status = 0;
@@ -911,9 +917,8 @@ int choose(const Choice& c, int32_t* written) {
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 const int64_t* origins = c.origins + head * c.capacity;
-                const int64_t* held_origins = c.cache_origins ? c.cache_origins + (head / c.heads) * c.origin_layer_stride
-                                                                    + (head % c.heads) * c.origin_head_stride
-                                                              : nullptr;
+                const int64_t* held_origins =
+                    c.cache_origins ? window_origins(c, head / c.heads, head % c.heads) : nullptr;
                 if (by_index && !flags[head] && best_indexed(ranked, order, c.index, heads, head, origins, n,
                                                              c.held + head * r, held_origins, r, scratch,
                                                              chosen + head * r))
