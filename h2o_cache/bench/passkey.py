@@ -1,7 +1,8 @@
 """Pass-key and fact retrieval through budgeted caches, vs budget, filler length and depth.
 
 A 5-digit pass key (or, with `--fact`, a one-sentence fact: a secret city) is planted at a depth of
-0-90% of a filler from `botchan.txt`, and the chat then asks for it. The answer is teacher-forced
+0-90% of a filler (`botchan.txt`, a novel, or with `--text` another file; a JSON-lines file of
+documents such as `xsum_dev.jsonl` gives news articles), and the chat then asks for it. The answer is teacher-forced
 after a fixed opening ("The pass key is ", its space included), and a key counts as recalled when
 greedy decoding would produce every one of its tokens there; this equals greedy generation after
 that opening and costs one pass per answer token. The opening is fed one token per pass, as a
@@ -35,6 +36,7 @@ for full.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -51,6 +53,16 @@ CITIES = [
     "Manila", "Dakar", "Havana", "Riga", "Perth", "Cairo", "Bogota", "Zurich", "Accra", "Kyoto",
 ]
 FILLER_START = 2000  # tokens of botchan.txt skipped: the Project Gutenberg header is not story text
+
+
+def filler_text(path: Path) -> tuple[str, int]:
+    """The filler's text and how many of its tokens to skip: a JSON-lines file of documents (XSum's
+    `document` field: news articles, a filler unlike the novel) gives them one after another, none
+    skipped; a plain text file its text past the header (`FILLER_START`)."""
+    if path.suffix == ".jsonl":
+        with path.open() as lines:
+            return "\n\n".join(json.loads(line)["document"] for line in lines if line.strip()), 0
+    return path.read_text(), FILLER_START
 
 
 @dataclass(frozen=True)
@@ -320,7 +332,9 @@ def decode_openings(gen: Generator, cache, items: list[Item]) -> list[Item]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--text", type=Path, default=data_path("botchan.txt"), help="filler text")
+    parser.add_argument("--text", type=Path, default=data_path("botchan.txt"),
+                        help="filler: a text file, or a JSON-lines file of documents (`document`: "
+                             "../shared/data/xsum_dev.jsonl, news articles)")
     parser.add_argument("--caches", nargs="+", default=["full", "h2o:256", "streaming:256", "local:256"],
                         help="`full` or policy:budget")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048], help="filler tokens (the issue's grid adds 4096 8192: hours on a CPU)")
@@ -355,9 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
     window = getattr(model.config, "max_position_embeddings", None)
-    text = args.text.read_text()
+    text, skip = filler_text(args.text)
     planted = secrets(args.keys, args.fact, args.seed)
-    filler = [] if args.chat is not None else tokenizer.encode(text, add_special_tokens=False)[FILLER_START:]
+    filler = [] if args.chat is not None else tokenizer.encode(text, add_special_tokens=False)[skip:]
     if args.facts:
         cells, deep = [], []
         for length in args.lengths:
@@ -375,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
             assert all(p == sets[0][0] for p, _ in sets)  # the text before the first needle is shared
             cells.append((f"{length} tok, {args.listing} keys", sets[0][0], [chat for _, chat in sets]))
     elif args.chat is not None:
-        words = text.split()[FILLER_START // 2:]
+        words = text.split()[skip // 2:]
         cells, deep = [(f"{n} turns", [], [chat_prompt(gen, words, s, n) for s in planted]) for n in args.chat], []
     else:
         cells, deep = [], []  # deep: the cells of the goal, depths >= 50%

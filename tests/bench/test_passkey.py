@@ -1,7 +1,8 @@
 import pytest
 
 from h2o_cache import Generator
-from h2o_cache.bench.passkey import answer_tokens, cache_config, chat_prompt, recalled, secrets, single_prompt, targets
+from h2o_cache.bench.passkey import (FILLER_START, answer_tokens, cache_config, chat_prompt, filler_text, recalled, secrets,
+                                     single_prompt, targets)
 from tests.conftest import ByteTokenizer
 
 
@@ -26,6 +27,15 @@ def test_secrets_are_distinct_and_reproducible():
     assert keys == secrets(20, fact=False, seed=1) and len({k.answer for k in keys}) == 20
     assert all(len(k.answer.strip()) == 5 and k.answer.strip().isdigit() for k in keys)
     assert len({c.answer for c in secrets(20, fact=True)}) == 20
+
+
+def test_a_json_lines_filler_gives_its_documents_in_order_and_a_text_file_skips_its_header(tmp_path):
+    documents = tmp_path / "news.jsonl"
+    documents.write_text('{"document": "First story.", "summary": "a"}\n\n{"document": "Second story.", "summary": "b"}\n')
+    assert filler_text(documents) == ("First story.\n\nSecond story.", 0)
+    novel = tmp_path / "novel.txt"
+    novel.write_text("Chapter I")
+    assert filler_text(novel) == ("Chapter I", FILLER_START)
 
 
 def test_the_needle_sits_at_its_depth_and_the_answer_follows_the_opening(gen):
