@@ -34,6 +34,15 @@ CODE_QUESTION = "What is the access code for the north gate?"
 XSUM = Path(__file__).resolve().parents[2] / "shared/data/xsum_dev.jsonl"
 
 
+def filler_words(path: Path) -> list[str]:
+    """The words of a filler: a JSON-lines file of documents (XSum's `document` field) gives its
+    documents' words one after another, any other file its text's."""
+    if path.suffix == ".jsonl":
+        with path.open() as lines:
+            return " ".join(json.loads(line)["document"] for line in lines if line.strip()).split()
+    return path.read_text().split()
+
+
 def document(words: list[str], length: int, depth: float, key: int) -> str:
     at = int(depth * length)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
@@ -93,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="passkey: told a key is hidden, the key stated twice; code: a 6-digit code in news "
                              "articles, stated once, nothing said up front")
     parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/botchan.txt",
-                        help="filler of the passkey form (the code form reads the XSum documents, --xsum)")
+                        help="filler of the passkey form: a text file, or a JSON-lines file of documents (e.g. "
+                             "../shared/data/xsum_dev.jsonl, news articles; with --skip-words 0) (the code form "
+                             "reads the XSum documents, --xsum)")
     parser.add_argument("--xsum", type=Path, default=XSUM)
     parser.add_argument("--words", type=int, nargs="+", default=[700, 1400, 2800])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
@@ -106,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     args.max_tokens = args.max_tokens or (24 if args.form == "code" else 16)
     if args.form == "code":
-        words = " ".join(json.loads(line)["document"] for line in args.xsum.open()).split()
+        words = filler_words(args.xsum)
         keys = [rng.randrange(100_000, 1_000_000) for _ in range(args.keys)]
     else:
-        words = args.text.read_text().split()[args.skip_words:]
+        words = filler_words(args.text)[args.skip_words:]
         keys = [rng.randrange(10_000, 100_000) for _ in range(args.keys)]
     results = {}
     try:

@@ -1,6 +1,6 @@
 """`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
 
-from clients.needle import CODE_QUESTION, code_document, document, message
+from clients.needle import CODE_QUESTION, code_document, document, filler_words, message
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -20,3 +20,12 @@ def test_the_code_form_says_nothing_up_front_and_the_passkey_form_does():
     assert code.startswith("some text") and code.endswith(CODE_QUESTION) and "hidden" not in code
     passkey = message("passkey", document(WORDS, 100, 0.25, 54321))
     assert passkey.startswith("There is a pass key hidden") and passkey.count("54321") == 2
+
+
+def test_a_json_lines_filler_gives_its_documents_words_in_order(tmp_path):
+    news = tmp_path / "news.jsonl"
+    news.write_text('{"document": "One story\\nends.", "summary": "a"}\n{"document": "Another.", "summary": "b"}\n')
+    assert filler_words(news) == ["One", "story", "ends.", "Another."]
+    novel = tmp_path / "novel.txt"
+    novel.write_text("Chapter I\n\nIt was")
+    assert filler_words(novel) == ["Chapter", "I", "It", "was"]
