@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Sequence
@@ -15,6 +16,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def data_path(name: str) -> Path:
     """A file of the shared data set, which sits beside the repository (../shared/data)."""
     return REPO_ROOT / ".." / "shared" / "data" / name
+
+
+def read_text(path: str | Path) -> str:
+    """A text file, or the documents of a jsonl file (XSum's `document` field) joined by blank lines."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return "\n\n".join(json.loads(line)["document"] for line in path.read_text().splitlines() if line.strip())
+    return path.read_text()
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

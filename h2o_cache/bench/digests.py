@@ -27,27 +27,19 @@ run) and digested by `archive.block_digests`, the function the archive digests w
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.archive import block_digests
-from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
+from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table, read_text
 from h2o_cache.bench.recall_speed import conversation_row, decoder_of
 from h2o_cache.config import DIGESTS
 from h2o_cache.recall import by_kv_head
 from h2o_cache.selection import bound_mass, token_mass
 
 BLOCKS = (8, 16, 32)
-
-
-def read_text(path: str) -> str:
-    """A text file, or the documents of a jsonl file (XSum) joined by blank lines."""
-    if path.endswith(".jsonl"):
-        return "\n\n".join(json.loads(line)["document"] for line in Path(path).read_text().splitlines() if line.strip())
-    return Path(path).read_text()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,7 +36,6 @@ for full.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -45,7 +44,7 @@ from pathlib import Path
 
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table
+from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table, read_text
 from h2o_cache.bench.nll import FULL_CHUNK, Item, fork, score
 
 CITIES = [
@@ -59,10 +58,7 @@ def filler_text(path: Path) -> tuple[str, int]:
     """The filler's text and how many of its tokens to skip: a JSON-lines file of documents (XSum's
     `document` field: news articles, a filler unlike the novel) gives them one after another, none
     skipped; a plain text file its text past the header (`FILLER_START`)."""
-    if path.suffix == ".jsonl":
-        with path.open() as lines:
-            return "\n\n".join(json.loads(line)["document"] for line in lines if line.strip()), 0
-    return path.read_text(), FILLER_START
+    return read_text(path), 0 if path.suffix == ".jsonl" else FILLER_START
 
 
 @dataclass(frozen=True)
