@@ -43,10 +43,18 @@ def filler_words(path: Path) -> list[str]:
     return path.read_text().split()
 
 
-def document(words: list[str], length: int, depth: float, key: int) -> str:
+def document(words: list[str], length: int, depth: float, key: int, start: int = 0) -> str:
+    """`length` words of the filler from word `start`, with the pass-key sentence at `depth`."""
+    piece = words[start:start + length]
     at = int(depth * length)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    return " ".join(words[:at] + [needle] + words[at:length])
+    return " ".join(piece[:at] + [needle] + piece[at:])
+
+
+def passage_start(words: list[str], length: int, index: int) -> int:
+    """Where the `index`-th key's passage starts with `--vary`: index x (length + 997) words in,
+    wrapping around the filler."""
+    return index * (length + 997) % max(1, len(words) - length)
 
 
 def code_document(words: list[str], length: int, depth: float, key: int, index: int) -> str:
@@ -76,8 +84,9 @@ def ask(client: httpx.Client, url: str, content: str, max_tokens: int) -> tuple[
 
 
 def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list[int],
-        max_tokens: int, form: str = "passkey") -> dict[tuple[int, float], tuple[float, int]]:
-    """(length, depth) -> (share of keys found, prompt tokens)."""
+        max_tokens: int, form: str = "passkey", vary: bool = False) -> dict[tuple[int, float], tuple[float, int]]:
+    """(length, depth) -> (share of keys found, prompt tokens). vary: each pass key in a passage of
+    its own (`passage_start`), not all in the filler's first words."""
     out = {}
     with httpx.Client(timeout=600) as client:
         for length in lengths:
@@ -85,7 +94,7 @@ def run(url: str, words: list[str], lengths: list[int], depths: list[float], key
                 hits, tokens = 0, 0
                 for index, key in enumerate(keys):
                     text = (code_document(words, length, depth, key, index) if form == "code"
-                            else document(words, length, depth, key))
+                            else document(words, length, depth, key, passage_start(words, length, index) if vary else 0))
                     reply, tokens = ask(client, url, message(form, text), max_tokens)
                     hits += str(key) in reply
                 out[(length, depth)] = (hits / len(keys), tokens)
@@ -113,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="reply length: 16 (passkey), 24 (code: the reply repeats the question's words first)")
     parser.add_argument("--skip-words", type=int, default=1500, help="words of the text skipped (a header)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vary", action="store_true",
+                        help="passkey form: each key in a passage of its own (the i-th i x (words + 997) words into the "
+                             "filler), so a cell averages over texts; default: all in its first words (the code form "
+                             "always varies)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     args.max_tokens = args.max_tokens or (24 if args.form == "code" else 16)
@@ -128,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             for policy in args.spawn.split(","):
                 began = time.perf_counter()
                 with spawned_server(policy, args.server_args, log=Path(f"needle-{policy}.log")) as url:
-                    results[policy] = run(url, words, args.words, args.depths, keys, args.max_tokens, args.form)
+                    results[policy] = run(url, words, args.words, args.depths, keys, args.max_tokens, args.form, args.vary)
                 print(f"{policy}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
         else:
-            results[args.base_url] = run(args.base_url, words, args.words, args.depths, keys, args.max_tokens, args.form)
+            results[args.base_url] = run(args.base_url, words, args.words, args.depths, keys, args.max_tokens, args.form, args.vary)
     except (httpx.HTTPError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -8,6 +8,9 @@ greedy decoding would produce every one of its tokens there; this equals greedy 
 that opening and costs one pass per answer token. The opening is fed one token per pass, as a
 server decodes its reply (a recalling cache's decode passes choose their windows pooled over all
 layers); `--opening prefill` feeds it as one chunk instead, which no server reply does. All keys of one cell run as rows of one batch.
+By default they share one passage (the filler's first tokens, prefilled once), so a cell measures one
+place of one text ten or twenty times; `--vary` gives each key a passage of its own (with news
+articles, other articles), so a cell averages over texts as a user's documents would.
 
 `--facts N` plants N secrets of different kinds (a pass key, a secret city, a secret animal, a
 secret fruit) at N depths of one prompt, evenly spaced, and asks for them in turn, one per user turn,
@@ -95,6 +98,25 @@ def answer_tokens(gen: Generator, secret: Secret) -> tuple[list[int], list[int]]
         # ("The pass key is a small wooden box") even when it knows the digits; asked is the key.
         return whole[:len(opening) + 1], answer[1:]
     return opening, answer
+
+
+def passages(filler: list[int], length: int, count: int) -> list[list[int]]:
+    """`count` stretches of `length` filler tokens, the i-th starting i x (length + 1009) tokens in
+    (wrapping around the filler), so that the keys of a cell sit in different passages (with news
+    articles: different articles) rather than all in the first `length` tokens."""
+    room = max(1, len(filler) - length)
+    return [filler[start:start + length] for start in (i * (length + 1009) % room for i in range(count))]
+
+
+def varied_prompts(gen: Generator, filler: list[int], length: int, planted: list[Secret],
+                   depth: float) -> tuple[list[int], list[Chat]]:
+    """`single_prompt` for each secret in a passage of its own (`passages`): the shared prefix is the
+    instruction alone, and each chat feeds its passage's text before the needle first."""
+    probes = [single_prompt(gen, passage, s, depth) for passage, s in zip(passages(filler, length, len(planted)), planted)]
+    shared = len(probes[0][0]) - int(depth * length)  # the instruction's tokens
+    chats = [Chat(([(prefix[shared:], False)] if len(prefix) > shared else []) + chat.pieces, chat.item)
+             for prefix, chat in probes]
+    return probes[0][0][:shared], chats
 
 
 def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> tuple[list[int], Chat]:
@@ -344,6 +366,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fact", action="store_true", help="plant a secret city instead of a 5-digit key")
     parser.add_argument("--batch", type=int, default=20, help="rows per forward pass")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vary", action="store_true",
+                        help="one-prompt cells: each key in a passage of its own (the i-th i x (length + 1009) tokens "
+                             "into the filler), so a cell averages over passages; default: every key in the first "
+                             "`length` tokens, a cell one passage (prefilled once)")
     parser.add_argument("--opening", choices=("decode", "prefill"), default="decode",
                         help="feed the answer's opening one token per pass, as a reply is decoded (default), or as one chunk")
     parser.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
@@ -391,8 +417,12 @@ def main(argv: list[str] | None = None) -> None:
         cells, deep = [], []  # deep: the cells of the goal, depths >= 50%
         for length in args.lengths:
             for depth in args.depths:
-                probes = [single_prompt(gen, filler[:length], s, depth) for s in planted]
-                cells.append((f"{length} tok, depth {depth:.0%}", probes[0][0], [item for _, item in probes]))
+                if args.vary:
+                    prefix, chats = varied_prompts(gen, filler, length, planted, depth)
+                else:
+                    probes = [single_prompt(gen, filler[:length], s, depth) for s in planted]
+                    prefix, chats = probes[0][0], [item for _, item in probes]
+                cells.append((f"{length} tok, depth {depth:.0%}", prefix, chats))
                 if depth >= 0.5:
                     deep.append(cells[-1][0])
     accuracy: dict[tuple[str, str], float | None] = {}

@@ -1,8 +1,8 @@
 import pytest
 
 from h2o_cache import Generator
-from h2o_cache.bench.passkey import (FILLER_START, answer_tokens, cache_config, chat_prompt, filler_text, recalled, secrets,
-                                     single_prompt, targets)
+from h2o_cache.bench.passkey import (FILLER_START, answer_tokens, cache_config, chat_prompt, filler_text, passages, recalled,
+                                     secrets, single_prompt, targets, varied_prompts)
 from tests.conftest import ByteTokenizer
 
 
@@ -54,6 +54,21 @@ def test_the_needle_sits_at_its_depth_and_the_answer_follows_the_opening(gen):
         assert text.endswith("assistant: The pass key is ")  # the lone space is forced, the digits asked
         assert gen.tokenizer.decode(chat.item.target) == secret.answer.strip()
         assert len(prefix) + chat.tokens >= len(filler) + len(needle)
+
+
+def test_varied_keys_each_sit_in_a_passage_of_their_own_and_read_as_a_single_prompt_would(gen):
+    filler = [ord(c) + 3 for c in "abcdefghijklmnopqrstuvwxyz" * 8]  # 208 tokens
+    stretches = passages(filler, 40, 4)
+    assert all(len(p) == 40 for p in stretches) and len({tuple(p) for p in stretches}) == 4  # four different passages
+    assert stretches[0] == filler[:40] and passages(filler, 300, 2) == [filler, filler]  # a filler too short: all of it
+    planted = secrets(4, fact=False)
+    for depth in (0.0, 0.5, 0.9):
+        prefix, chats = varied_prompts(gen, filler, 40, planted, depth)
+        for passage, secret, chat in zip(stretches, planted, chats):
+            alone_prefix, alone = single_prompt(gen, passage, secret, depth)
+            fed = prefix + [t for piece, _ in chat.pieces for t in piece]
+            assert fed == alone_prefix + alone.pieces[0][0] and chat.item == alone.item  # the same tokens, the same answer
+            assert [user for _, user in chat.pieces] == ([False] if depth else []) + [True]  # the needle's turn may recall
 
 
 def test_chat_pieces_tell_first_ask_last_and_alternate_user_turns_and_replies(gen):

@@ -1,6 +1,6 @@
 """`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
 
-from clients.needle import CODE_QUESTION, code_document, document, filler_words, message
+from clients.needle import CODE_QUESTION, code_document, document, filler_words, message, passage_start
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -29,3 +29,14 @@ def test_a_json_lines_filler_gives_its_documents_words_in_order(tmp_path):
     novel = tmp_path / "novel.txt"
     novel.write_text("Chapter I\n\nIt was")
     assert filler_words(novel) == ["Chapter", "I", "It", "was"]
+
+
+def test_varied_pass_keys_sit_in_passages_of_their_own_at_their_depth():
+    starts = [passage_start(WORDS, 1000, i) for i in range(4)]
+    assert starts[0] == 0 and len(set(starts)) == 4 and all(0 <= s <= len(WORDS) - 1000 for s in starts)
+    for start in starts:
+        words = document(WORDS, 1000, 0.25, 54321, start).split()
+        at = words.index("The")
+        assert words[0] == f"w{start}" and at == 250 and words[at - 1] == f"w{start + 249}" and words[at + 12] == f"w{start + 250}"
+        assert len(words) == 1000 + 12  # the needle's 12 words
+    assert document(WORDS, 100, 0.5, 7) == document(WORDS, 100, 0.5, 7, 0)  # unvaried: the first words
