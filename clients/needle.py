@@ -43,27 +43,29 @@ def filler_words(path: Path) -> list[str]:
     return path.read_text().split()
 
 
-def document(words: list[str], length: int, depth: float, key: int, start: int = 0) -> str:
-    """`length` words of the filler from word `start`, with the pass-key sentence at `depth`."""
+def planted(words: list[str], start: int, length: int, depth: float, sentence: str) -> str:
+    """`length` words of the filler from word `start`, with `sentence` at `depth`."""
     piece = words[start:start + length]
     at = int(depth * length)
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    return " ".join(piece[:at] + [needle] + piece[at:])
+    return " ".join(piece[:at] + [sentence] + piece[at:])
 
 
-def passage_start(words: list[str], length: int, index: int) -> int:
-    """Where the `index`-th key's passage starts with `--vary`: index x (length + 997) words in,
-    wrapping around the filler."""
-    return index * (length + 997) % max(1, len(words) - length)
+def passage_start(words: list[str], length: int, index: int, step: int | None = None) -> int:
+    """Where the `index`-th key's passage starts: index x `step` words in (default length + 997, the
+    pass-key form's `--vary`), wrapping around the filler."""
+    return index * (length + 997 if step is None else step) % max(1, len(words) - length)
+
+
+def document(words: list[str], length: int, depth: float, key: int, start: int = 0) -> str:
+    """`length` words of the filler from word `start`, with the pass-key sentence at `depth`."""
+    return planted(words, start, length, depth, f"The pass key is {key}. Remember it. {key} is the pass key.")
 
 
 def code_document(words: list[str], length: int, depth: float, key: int, index: int) -> str:
     """`length` words of the articles, from a place that differs per key (`index`), with one sentence
     stating the code at `depth`."""
-    start = index * 997 % max(1, len(words) - length)
-    piece = words[start:start + length]
-    at = int(depth * length)
-    return " ".join(piece[:at] + [f"Staff were told that the access code for the north gate is {key}."] + piece[at:])
+    return planted(words, passage_start(words, length, index, step=997), length, depth,
+                   f"Staff were told that the access code for the north gate is {key}.")
 
 
 def message(form: str, text: str) -> str:

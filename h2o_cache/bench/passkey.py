@@ -112,11 +112,13 @@ def varied_prompts(gen: Generator, filler: list[int], length: int, planted: list
                    depth: float) -> tuple[list[int], list[Chat]]:
     """`single_prompt` for each secret in a passage of its own (`passages`): the shared prefix is the
     instruction alone, and each chat feeds its passage's text before the needle first."""
-    probes = [single_prompt(gen, passage, s, depth) for passage, s in zip(passages(filler, length, len(planted)), planted)]
-    shared = len(probes[0][0]) - int(depth * length)  # the instruction's tokens
-    chats = [Chat(([(prefix[shared:], False)] if len(prefix) > shared else []) + chat.pieces, chat.item)
-             for prefix, chat in probes]
-    return probes[0][0][:shared], chats
+    instruction, chats = [], []
+    for passage, secret in zip(passages(filler, length, len(planted)), planted):
+        prefix, chat = single_prompt(gen, passage, secret, depth)
+        at = len(prefix) - int(depth * len(passage))  # where the passage starts, after the instruction
+        instruction = prefix[:at]
+        chats.append(Chat(([(prefix[at:], False)] if prefix[at:] else []) + chat.pieces, chat.item))
+    return instruction, chats
 
 
 def single_prompt(gen: Generator, filler: list[int], secret: Secret, depth: float) -> tuple[list[int], Chat]:

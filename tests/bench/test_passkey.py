@@ -69,6 +69,10 @@ def test_varied_keys_each_sit_in_a_passage_of_their_own_and_read_as_a_single_pro
             fed = prefix + [t for piece, _ in chat.pieces for t in piece]
             assert fed == alone_prefix + alone.pieces[0][0] and chat.item == alone.item  # the same tokens, the same answer
             assert [user for _, user in chat.pieces] == ([False] if depth else []) + [True]  # the needle's turn may recall
+    short = filler[:30]  # shorter than a passage: every key reads all of it, as `single_prompt` on it would
+    prefix, chats = varied_prompts(gen, short, 40, planted, 0.5)
+    alone_prefix, alone = single_prompt(gen, short, planted[0], 0.5)
+    assert prefix + chats[0].pieces[0][0] + chats[0].pieces[1][0] == alone_prefix + alone.pieces[0][0]
 
 
 def test_chat_pieces_tell_first_ask_last_and_alternate_user_turns_and_replies(gen):
