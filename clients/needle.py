@@ -10,10 +10,13 @@ key. With `--spawn full,h2o` each policy's server is started in turn (extra serv
 `--form code` asks the way a user pasting a document would, with nothing said up front: news
 articles (the XSum documents, a different run of them per key) hold one sentence that states a
 6-digit access code once, and the message ends with a question in other words; no instruction says
-that something is hidden, and the code is not repeated.
+that something is hidden, and the code is not repeated. `--form name` is the same with a word for an
+answer: a sentence in the middle of the news gives a ship's cat's name, and the question asks for it
+in other words (a form that none of the cache's settings were tuned on).
 
     python -m clients.needle --spawn full,h2o --words 700 1400 2800 --keys 10
     python -m clients.needle --spawn full,h2o --form code --words 1500 --depths 0.2 0.5 0.85 --keys 8
+    python -m clients.needle --spawn h2o,full --form name --words 1400 2800 --depths 0.25 0.6 0.85 --keys 10
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from clients.server_proc import spawned_server
 
 QUESTION = "What is the pass key? Answer with the number only."
 CODE_QUESTION = "What is the access code for the north gate?"
+NAME_QUESTION = "What was the name of the cat on the ship?"
+# the name form's answers: names that the articles do not use
+NAMES = ("Mortimer", "Bartholomew", "Clementine", "Archibald", "Penelope", "Ignatius", "Winifred", "Cornelius",
+         "Rosalind", "Percival", "Octavia", "Leopold", "Marigold", "Thaddeus", "Philippa", "Barnaby", "Henrietta",
+         "Ambrose", "Lavinia", "Reginald")
 XSUM = Path(__file__).resolve().parents[2] / "shared/data/xsum_dev.jsonl"
 
 
@@ -68,11 +76,20 @@ def code_document(words: list[str], length: int, depth: float, key: int, index: 
                    f"Staff were told that the access code for the north gate is {key}.")
 
 
+def name_document(words: list[str], length: int, depth: float, name: str, index: int) -> str:
+    """`length` words of the articles, from a place that differs per key (`index`, other places than
+    the code form's), with one sentence naming the ship's cat at `depth`."""
+    return planted(words, passage_start(words, length, index, step=1013), length, depth,
+                   f"The crew's cat, a ginger tom named {name}, had sailed with the ship for nine years.")
+
+
 def message(form: str, text: str) -> str:
-    """The user message: the pass-key form tells what is hidden and asks for the number; the code form
-    just asks."""
+    """The user message: the pass-key form tells what is hidden and asks for the number; the code and
+    name forms just ask."""
     if form == "code":
         return f"{text}\n\n{CODE_QUESTION}"
+    if form == "name":
+        return f"{text}\n\n{NAME_QUESTION}"
     return f"There is a pass key hidden in the text below. Find it and remember it.\n\n{text}\n\n{QUESTION}"
 
 
@@ -85,7 +102,7 @@ def ask(client: httpx.Client, url: str, content: str, max_tokens: int) -> tuple[
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
 
 
-def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list[int],
+def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list,
         max_tokens: int, form: str = "passkey", vary: bool = False) -> dict[tuple[int, float], tuple[float, int]]:
     """(length, depth) -> (share of keys found, prompt tokens). vary: each pass key in a passage of
     its own (`passage_start`), not all in the filler's first words."""
@@ -95,8 +112,12 @@ def run(url: str, words: list[str], lengths: list[int], depths: list[float], key
             for depth in depths:
                 hits, tokens = 0, 0
                 for index, key in enumerate(keys):
-                    text = (code_document(words, length, depth, key, index) if form == "code"
-                            else document(words, length, depth, key, passage_start(words, length, index) if vary else 0))
+                    if form == "code":
+                        text = code_document(words, length, depth, key, index)
+                    elif form == "name":
+                        text = name_document(words, length, depth, key, index)
+                    else:
+                        text = document(words, length, depth, key, passage_start(words, length, index) if vary else 0)
                     reply, tokens = ask(client, url, message(form, text), max_tokens)
                     hits += str(key) in reply
                 out[(length, depth)] = (hits / len(keys), tokens)
@@ -109,19 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--spawn", default=None, help="comma-separated policies to start in turn, e.g. full,h2o")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for spawned servers")
-    parser.add_argument("--form", choices=("passkey", "code"), default="passkey",
+    parser.add_argument("--form", choices=("passkey", "code", "name"), default="passkey",
                         help="passkey: told a key is hidden, the key stated twice; code: a 6-digit code in news "
-                             "articles, stated once, nothing said up front")
+                             "articles, stated once, nothing said up front; name: the same with a name (of a "
+                             f"ship's cat) for an answer, at most {len(NAMES)} keys")
     parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/botchan.txt",
                         help="filler of the passkey form: a text file, or a JSON-lines file of documents (e.g. "
-                             "../shared/data/xsum_dev.jsonl, news articles; with --skip-words 0) (the code form "
+                             "../shared/data/xsum_dev.jsonl, news articles; with --skip-words 0) (the code and name forms "
                              "reads the XSum documents, --xsum)")
     parser.add_argument("--xsum", type=Path, default=XSUM)
     parser.add_argument("--words", type=int, nargs="+", default=[700, 1400, 2800])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--keys", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="reply length: 16 (passkey), 24 (code: the reply repeats the question's words first)")
+                        help="reply length: 16 (passkey), 24 (code and name: the reply repeats the question's words first)")
     parser.add_argument("--skip-words", type=int, default=1500, help="words of the text skipped (a header)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vary", action="store_true",
@@ -130,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
                              "always varies)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    args.max_tokens = args.max_tokens or (24 if args.form == "code" else 16)
+    args.max_tokens = args.max_tokens or (16 if args.form == "passkey" else 24)
+    if args.form == "name" and not 0 < args.keys <= len(NAMES):
+        parser.error(f"--form name has {len(NAMES)} names: --keys 1 to {len(NAMES)}")
     if args.form == "code":
         words = filler_words(args.xsum)
         keys = [rng.randrange(100_000, 1_000_000) for _ in range(args.keys)]
+    elif args.form == "name":
+        words = filler_words(args.xsum)
+        keys = rng.sample(NAMES, args.keys)
     else:
         words = filler_words(args.text)[args.skip_words:]
         keys = [rng.randrange(10_000, 100_000) for _ in range(args.keys)]
@@ -152,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = list(results)
     first = results[names[0]]
-    what = "A 6-digit code stated once in news articles" if args.form == "code" else "Pass key"
+    what = {"code": "A 6-digit code stated once in news articles", "name": "A name stated once in news articles",
+            "passkey": "Pass key"}[args.form]
     print(f"{what} in one message, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
     print("| words | prompt tokens | depth | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))

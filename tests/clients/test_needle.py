@@ -40,3 +40,17 @@ def test_varied_pass_keys_sit_in_passages_of_their_own_at_their_depth():
         assert words[0] == f"w{start}" and at == 250 and words[at - 1] == f"w{start + 249}" and words[at + 12] == f"w{start + 250}"
         assert len(words) == 1000 + 12  # the needle's 12 words
     assert document(WORDS, 100, 0.5, 7) == document(WORDS, 100, 0.5, 7, 0)  # unvaried: the first words
+
+
+def test_the_name_form_names_the_cat_once_at_its_depth_and_asks_in_other_words():
+    from clients.needle import NAME_QUESTION, NAMES, name_document
+
+    text = name_document(WORDS, 1000, 0.85, "Mortimer", index=2)
+    words = text.split()
+    assert text.count("Mortimer") == 1 and len(words) == 1000 + 16
+    at = words.index("crew's") - 1
+    assert at == 850 and int(words[at + 16][1:]) == int(words[at - 1][1:]) + 1  # between two halves of one run
+    assert name_document(WORDS, 1000, 0.85, "Mortimer", index=2).split()[0] != code_document(WORDS, 1000, 0.85, 1, 2).split()[0]
+    asked = message("name", text)
+    assert asked.endswith(NAME_QUESTION) and "hidden" not in asked and "named" not in NAME_QUESTION
+    assert len(set(NAMES)) == len(NAMES) and not any(name in " ".join(WORDS) for name in NAMES)
