@@ -153,13 +153,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text-layout", action="store_true",
                         help="also time each interval with recall_positions='text' (every held key read at the "
                              "position of its slot; what the server sets on a GPU unless told)")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=7, help="0: time the prefill only")
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
     parser.add_argument("--by-step", action="store_true",
                         help="also time every step alone: medians of plain, choosing and evicting steps")
     add_model_args(parser)
     args = parser.parse_args(argv)
+    if args.reps < 0 or args.prefill_reps < 0 or not (args.reps or args.prefill_reps):
+        parser.error("--reps and --prefill-reps count repetitions (>= 0), and one of them must be at least 1")
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{' of ' + args.text if args.text else ' (random)'}")
 
     table, by_step = [], []
-    for batch in args.batch_sizes:
+    for batch in args.batch_sizes if args.reps else []:  # 0: the prefill only
         decoders = {name: decoder_of(gen, config, rows[name], turn, batch, args.steps) for name, config in configs.items()}
         times = decode_times(decoders, args.reps, args.steps)
         for name in configs:

@@ -117,3 +117,19 @@ def test_the_digests_bench_scores_every_digest_and_block_on_a_random_model(tmp_p
         (r64, m64), (r128, m128) = (tuple(float(x) for x in cell.strip(" |").split(" / ")) for cell in row[2:])
         assert 0 <= r64 <= r128 <= 1 and 0 <= m64 <= m128 <= 1
     assert sum(line.startswith(("| 0 |", "| 1 |")) for line in out.splitlines()) == 2
+
+
+def test_recall_speed_times_the_prefill_alone_with_no_decode_repetitions_and_refuses_none_of_either(tmp_path, capsys):
+    import pytest
+
+    from h2o_cache.bench import random_model, recall_speed
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    recall_speed.main(["--model", str(tmp_path), "--budget", "32", "--recall", "16", "--history", "120",
+                       "--turn", "8", "--reps", "0", "--prompt", "40", "--prefill-reps", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert not any(row.startswith("| decode step") for row in rows)
+    assert sum(row.startswith("| prefill of a 40-token prompt") for row in rows) == 3
+    with pytest.raises(SystemExit):
+        recall_speed.main(["--model", str(tmp_path), "--reps", "0", "--prefill-reps", "0"])
+    assert "one of them must be at least 1" in capsys.readouterr().err
