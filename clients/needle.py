@@ -37,7 +37,7 @@ CODE_QUESTION = "What is the access code for the north gate?"
 NAME_QUESTION = "What was the name of the cat on the ship?"
 # the name form's answers: names that the articles do not use
 NAMES = ("Mortimer", "Bartholomew", "Clementine", "Archibald", "Penelope", "Ignatius", "Winifred", "Cornelius",
-         "Rosalind", "Percival", "Octavia", "Leopold", "Marigold", "Thaddeus", "Philippa", "Barnaby", "Henrietta",
+         "Rosalind", "Percival", "Octavia", "Cuthbert", "Marigold", "Thaddeus", "Ottoline", "Barnaby", "Henrietta",
          "Ambrose", "Lavinia", "Reginald")
 XSUM = Path(__file__).resolve().parents[2] / "shared/data/xsum_dev.jsonl"
 
@@ -102,7 +102,7 @@ def ask(client: httpx.Client, url: str, content: str, max_tokens: int) -> tuple[
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]
 
 
-def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list,
+def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list[int] | list[str],
         max_tokens: int, form: str = "passkey", vary: bool = False) -> dict[tuple[int, float], tuple[float, int]]:
     """(length, depth) -> (share of keys found, prompt tokens). vary: each pass key in a passage of
     its own (`passage_start`), not all in the filler's first words."""

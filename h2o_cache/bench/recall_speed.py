@@ -198,14 +198,14 @@ def main(argv: list[str] | None = None) -> None:
         configs["on, never choosing"] = CacheConfig(budget=args.budget, recall_budget=args.recall,
                                                     recall_interval=1 << 30, recall_burst=0)
         configs[f"off, budget {args.budget + args.recall}"] = CacheConfig(budget=args.budget + args.recall)
-    rows = {name: conversation_row(gen, config, history) for name, config in configs.items()}
-    archive = rows[f"on, every {args.intervals[0]}"].archives[0]
+    # each decode row consumes the history first; the prefill alone (--reps 0) needs none of them
+    rows = {name: conversation_row(gen, config, history) for name, config in configs.items()} if args.reps else {}
     setup = (f"{args.threads} threads, {next(model.parameters()).dtype}, {gen.spec.device.type}, budget {args.budget}, "
              f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens"
              f"{' of ' + args.text if args.text else ' (random)'}")
 
     table, by_step = [], []
-    for batch in args.batch_sizes if args.reps else []:  # 0: the prefill only
+    for batch in args.batch_sizes if rows else []:
         decoders = {name: decoder_of(gen, config, rows[name], turn, batch, args.steps) for name, config in configs.items()}
         times = decode_times(decoders, args.reps, args.steps)
         for name in configs:
@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
                              f"Decode steps timed one by one ({args.reps} x {args.steps} per configuration), medians by "
                              "what the step did besides decoding: some row chose its window before it, some row "
                              "was evicted after it"))
+    if not rows:
+        return
+    archive = rows[f"on, every {args.intervals[0]}"].archives[0]
     per_token = archive.nbytes / max(len(archive), 1)
     print(f"\nArchive after the history: {len(archive)} tokens per layer/head, {archive.nbytes / 2**20:.1f} MiB "
           f"of host memory, {per_token / 1024:.1f} KiB per archived token (all layers and heads)")

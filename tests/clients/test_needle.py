@@ -43,7 +43,7 @@ def test_varied_pass_keys_sit_in_passages_of_their_own_at_their_depth():
 
 
 def test_the_name_form_names_the_cat_once_at_its_depth_and_asks_in_other_words():
-    from clients.needle import NAME_QUESTION, NAMES, name_document
+    from clients.needle import NAME_QUESTION, name_document
 
     text = name_document(WORDS, 1000, 0.85, "Mortimer", index=2)
     words = text.split()
@@ -53,4 +53,12 @@ def test_the_name_form_names_the_cat_once_at_its_depth_and_asks_in_other_words()
     assert name_document(WORDS, 1000, 0.85, "Mortimer", index=2).split()[0] != code_document(WORDS, 1000, 0.85, 1, 2).split()[0]
     asked = message("name", text)
     assert asked.endswith(NAME_QUESTION) and "hidden" not in asked and "named" not in NAME_QUESTION
-    assert len(set(NAMES)) == len(NAMES) and not any(name in " ".join(WORDS) for name in NAMES)
+
+
+def test_the_name_form_s_names_are_distinct_and_none_is_in_the_articles():
+    from clients.needle import NAMES
+    from tests.conftest import shared_data
+
+    articles = " ".join(filler_words(shared_data("xsum_dev.jsonl")))
+    assert len(set(NAMES)) == len(NAMES) == 20
+    assert [name for name in NAMES if name in articles] == []  # a hit can only come from the planted sentence
