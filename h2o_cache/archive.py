@@ -289,8 +289,12 @@ class Archive:
         # on the host, where the archive is: a cache on a GPU sends its few queries down once rather
         # than the digests and the candidates' keys up at every choice
         q = queries.float().cpu()
-        mass = bound_mass(q, lo[layers], hi[layers], scaling)  # [L', H_kv, full blocks]
-        candidates = top_blocks(mass, min(CANDIDATES * blocks, mass.shape[-1]))
+        full_blocks = lo.shape[2]
+        if CANDIDATES * blocks >= full_blocks:  # every block a candidate, in order: the bound could only rank them
+            candidates = torch.arange(full_blocks).expand(*q.shape[:2], full_blocks)
+        else:
+            mass = bound_mass(q, lo[layers], hi[layers], scaling)  # [L', H_kv, full blocks]
+            candidates = top_blocks(mass, CANDIDATES * blocks)
         if candidates.shape[-1] > blocks:
             origins, = self.gather(candidates, layers, ("origins",))  # [L', H_kv, wanted * block]
             ranked = self._half if self._ranks_copies() else self._data["keys"]  # 16-bit keys

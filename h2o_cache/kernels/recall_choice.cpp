@@ -141,8 +141,9 @@ inline void score_items(int64_t G, int64_t count, int64_t stride, float* logits,
     }
 }
 
-// p[0..n) <- softmax(p[0..n) * scaling), then mass[i] += p[i].
-inline void softmax_into(float* p, int64_t n, float scaling, float* mass, bool first = false) {
+// p[0..n) <- softmax(p[0..n) * scaling), then mass[i] += p[i] (first: mass[i] = p[i], no zeros
+// written before). The AVX2 version; `softmax_into` takes the AVX-512 one where the CPU has it.
+inline void softmax_into_avx2(float* p, int64_t n, float scaling, float* mass, bool first) {
     const __m256 scale = _mm256_set1_ps(scaling);
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
@@ -167,7 +168,7 @@ inline void softmax_into(float* p, int64_t n, float scaling, float* mass, bool f
     for (int64_t j = i; j < n; ++j) total += (p[j] = expf(p[j] - top));
     const float inverse = 1.0f / total;
     const __m256 inverse8 = _mm256_set1_ps(inverse);
-    if (first) {  // mass <- p / total: what adding it to zeros gives, bit for bit, with no zeros written first
+    if (first) {
         for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(mass + i, _mm256_mul_ps(_mm256_loadu_ps(p + i), inverse8));
         for (int64_t j = i; j < n; ++j) mass[j] = p[j] * inverse;
         return;
@@ -175,6 +176,76 @@ inline void softmax_into(float* p, int64_t n, float scaling, float* mass, bool f
     for (i = 0; i + 8 <= n; i += 8)
         _mm256_storeu_ps(mass + i, _mm256_fmadd_ps(_mm256_loadu_ps(p + i), inverse8, _mm256_loadu_ps(mass + i)));
     for (int64_t j = i; j < n; ++j) mass[j] += p[j] * inverse;
+}
+
+// `exp8` in 16 lanes: the same operations, so each lane gives exp8's float bit for bit.
+__attribute__((target("avx512f")))
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+// `softmax_into_avx2` with AVX-512: the same floats bit for bit. Each element gets the same operations
+// (those past the last multiple of 8 the same scalar ones), the maximum is exact in any order, and the
+// sum keeps the AVX2 version's order: 8 lanes, each adding its elements in turn (a 16-lane block's low
+// half, then its high half), then `hsum8`, then the scalar tail.
+__attribute__((target("avx512f")))
+void softmax_into_avx512(float* p, int64_t n, float scaling, float* mass, bool first) {
+    const __m512 scale = _mm512_set1_ps(scaling);
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    const int64_t wide = n / 16 * 16, vector = n / 8 * 8;
+    int64_t i = 0;
+    for (; i < wide; i += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(p + i), scale);
+        _mm512_storeu_ps(p + i, x);
+        top16 = _mm512_max_ps(top16, x);
+    }
+    float top = _mm512_reduce_max_ps(top16);
+    for (; i < vector; ++i) top = std::max(top, p[i] *= scaling);  // a last 8: the same products
+    for (int64_t j = vector; j < n; ++j) top = std::max(top, p[j] *= scaling);
+    const __m512 shift = _mm512_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (i = 0; i < wide; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + i), shift));
+        _mm512_storeu_ps(p + i, e);
+        sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(e));
+        sum8 = _mm256_add_ps(sum8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+    if (i < vector) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(p + i, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float total = hsum8(sum8);
+    for (int64_t j = vector; j < n; ++j) total += (p[j] = expf(p[j] - top));
+    const float inverse = 1.0f / total;
+    const __m512 inverse16 = _mm512_set1_ps(inverse);
+    if (first) {
+        for (i = 0; i < wide; i += 16) _mm512_storeu_ps(mass + i, _mm512_mul_ps(_mm512_loadu_ps(p + i), inverse16));
+        for (; i < n; ++i) mass[i] = p[i] * inverse;
+        return;
+    }
+    for (i = 0; i < wide; i += 16)
+        _mm512_storeu_ps(mass + i, _mm512_fmadd_ps(_mm512_loadu_ps(p + i), inverse16, _mm512_loadu_ps(mass + i)));
+    for (; i < vector; ++i) mass[i] = fmaf(p[i], inverse, mass[i]);  // the AVX2 version's fused products
+    for (int64_t j = vector; j < n; ++j) mass[j] += p[j] * inverse;
+}
+
+inline void softmax_into(float* p, int64_t n, float scaling, float* mass, bool first = false) {
+    static const bool wide = __builtin_cpu_supports("avx512f");
+    (wide ? softmax_into_avx512 : softmax_into_avx2)(p, n, scaling, mass, first);
 }
 
 // Items packed for `panel_product`: tiles of 16 items, each [depth][16] (item i of a tile at
@@ -276,15 +347,52 @@ inline float widen(uint16_t x, bool bf16) {
     return f;
 }
 
-// Rows offset .. offset + width of the tiles (`panel_product`, `depth` rows each) <- n items, item j's
-// values at rows(j) (width floats, or fp16 / bf16 (bf16 true) widened); the panel must be zeroed first
-// (past the last item it stays 0).
+// r[i] <- column i of the 8 x 8 matrix whose rows are r[0..8).
+inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// Rows offset .. offset + width of the tiles (`panel_product`, `depth` rows each) <- items j0 .. j1
+// (j0 a multiple of 16), item j's width 16-bit values (fp16, or bf16 where bf16) at rows(j), widened
+// exactly; width a multiple of 8. Whole tiles go 8 items x 8 values at a time, transposed in
+// registers; the items past the last whole tile one by one, the rest of their tile zeroed.
 template <class Row>
-void pack_tiles(int64_t n, int64_t width, int64_t depth, int64_t offset, Row rows, float* panel, bool bf16 = false) {
-    for (int64_t j = 0; j < n; ++j) {
-        const auto* row = rows(j);
-        float* column = panel + (j / TILE) * depth * TILE + offset * TILE + j % TILE;
-        for (int64_t d = 0; d < width; ++d) column[d * TILE] = widen(row[d], bf16);
+void pack_tiles(int64_t j0, int64_t j1, int64_t width, int64_t depth, int64_t offset, Row rows, float* panel,
+                bool bf16 = false) {
+    int64_t j = j0;
+    for (; j + TILE <= j1; j += TILE) {
+        float* tile = panel + (j / TILE) * depth * TILE + offset * TILE;
+        for (int64_t half = 0; half < TILE; half += 8) {
+            const uint16_t* from[8];
+            for (int i = 0; i < 8; ++i) from[i] = rows(j + half + i);
+            for (int64_t d = 0; d < width; d += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; ++i) r[i] = load8_16(from[i] + d, bf16);
+                transpose8(r);
+                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(tile + (d + i) * TILE + half, r[i]);
+            }
+        }
+    }
+    if (j == j1) return;
+    float* tile = panel + (j / TILE) * depth * TILE + offset * TILE;
+    for (int64_t d = 0; d < width; ++d) std::fill(tile + d * TILE, tile + (d + 1) * TILE, 0.0f);
+    for (; j < j1; ++j) {
+        const uint16_t* row = rows(j);
+        for (int64_t d = 0; d < width; ++d) tile[d * TILE + j % TILE] = widen(row[d], bf16);
     }
 }
 
@@ -934,7 +1042,8 @@ int choose(const Choice& c, int32_t* written) {
 }
 
 // A prefill chunk's choice for the heads of a few layers (`Archive.select` without `everywhere`):
-// per head, the `candidates` blocks of most bound mass (ranked: most first, ties the lower block);
+// per head, the `candidates` blocks of most bound mass (ranked: most first, ties the lower block; where
+// every block is a candidate, the blocks in order, and the bound is not computed);
 // every candidate key's exact mass added to the vote of its position, over all the heads of the call
 // in head order; each head's candidate blocks scored by their tokens' votes, the `window / block` best
 // taken (ties: the better-ranked candidate), their tokens in ascending order into the window.
@@ -960,6 +1069,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
         const int64_t bound_tiles = (N + TILE - 1) / TILE, key_tiles = (K + TILE - 1) / TILE;
         const int64_t bound_size = bound_tiles * TILE * 2 * D, key_size = key_tiles * TILE * D;
         const int64_t stride = std::max(N, K);
+        const bool everything = C == N;  // every block a candidate: no bound stage
         std::vector<float> panels(heads * std::max(bound_size, key_size)), partial(tasks * stride);
         std::vector<int64_t> candidates(heads * K), ranked(heads * C);
         // one task of a stage: queries g0 .. g1 of a head ([part][D] as they are, or split into their
@@ -989,52 +1099,77 @@ int choose_blocks(const Choice& c, int32_t* written) {
             std::fill(mass, mass + items, 0.0f);
             for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, items, scaling, mass);
         };
+        // the panels are packed in `pieces` runs of whole tiles per head, so that the threads share a
+        // layer's few heads evenly
+        constexpr int64_t pieces = 4;
+        auto run = [](int64_t piece, int64_t n) {  // items of a piece: whole tiles, the last one's rest
+            const int64_t tiles = (n + TILE - 1) / TILE;
+            return std::pair<int64_t, int64_t>{std::min(n, tiles * piece / pieces * TILE),
+                                               std::min(n, tiles * (piece + 1) / pieces * TILE)};
+        };
+        std::vector<float> mass(heads * K);
 #pragma omp parallel num_threads(threads)
         {
             std::vector<float> q, logits;
 #pragma omp for schedule(static)
-            for (int64_t head = 0; head < heads; ++head) {  // digests: rows [0, D) hi, [D, 2D) lo
+            for (int64_t task = 0; task < (everything ? 0 : heads * pieces); ++task) {  // digests: rows [0, D) hi, [D, 2D) lo
+                const int64_t head = task / pieces;
+                const auto [j0, j1] = run(task % pieces, N);
                 float* panel = panels.data() + head * bound_size;
-                std::fill(panel, panel + bound_size, 0.0f);
                 const uint16_t* hi = c.hi + head * c.digest_capacity * D;
                 const uint16_t* lo = c.lo + head * c.digest_capacity * D;
-                pack_tiles(N, D, 2 * D, 0, [&](int64_t n) { return hi + n * D; }, panel);
-                pack_tiles(N, D, 2 * D, D, [&](int64_t n) { return lo + n * D; }, panel);
+                pack_tiles(j0, j1, D, 2 * D, 0, [&](int64_t n) { return hi + n * D; }, panel);
+                pack_tiles(j0, j1, D, 2 * D, D, [&](int64_t n) { return lo + n * D; }, panel);
             }
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < tasks; ++task) stage(task, true, bound_size, bound_tiles, N, q, logits);
+            for (int64_t task = 0; task < (everything ? 0 : tasks); ++task)
+                stage(task, true, bound_size, bound_tiles, N, q, logits);
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
+                int64_t* at = candidates.data() + head * K;
+                if (everything) {  // every block, in order: the bound could only rank them
+                    std::iota(ranked.begin() + head * C, ranked.begin() + (head + 1) * C, 0);
+                    std::iota(at, at + K, 0);
+                    continue;
+                }
                 std::vector<float> total(N, 0.0f);
                 for (int64_t p = 0; p < parts; ++p)
                     for (int64_t n = 0; n < N; ++n) total[n] += partial[(head * parts + p) * stride + n];
                 std::vector<uint64_t> keys(N);
                 for (int64_t n = 0; n < N; ++n) keys[n] = rank_key(total[n], n);
                 std::partial_sort(keys.begin(), keys.begin() + C, keys.end(), std::greater<uint64_t>());
-                int64_t* at = candidates.data() + head * K;
                 for (int64_t j = 0; j < C; ++j) {
                     const int64_t b = key_index(keys[j]);
                     ranked[head * C + j] = b;
                     for (int64_t i = 0; i < B; ++i) at[j * B + i] = b * B + i;
                 }
-                float* panel = panels.data() + head * key_size;  // the digests' panel is spent
-                std::fill(panel, panel + key_size, 0.0f);
+            }
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < heads * pieces; ++task) {  // the digests' panels are spent
+                const int64_t head = task / pieces;
+                const auto [j0, j1] = run(task % pieces, K);
+                const int64_t* at = candidates.data() + head * K;
                 const uint16_t* stored = c.half + head * c.capacity * D;
-                pack_tiles(K, D, D, 0, [&](int64_t k) { return stored + at[k] * D; }, panel, c.half_bf16);
+                pack_tiles(j0, j1, D, D, 0, [&](int64_t k) { return stored + at[k] * D; },
+                           panels.data() + head * key_size, c.half_bf16);
             }
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < tasks; ++task) stage(task, false, key_size, key_tiles, K, q, logits);
+#pragma omp for schedule(static)
+            for (int64_t head = 0; head < heads; ++head) {  // each key's mass, its parts summed in order
+                float* sum = mass.data() + head * K;
+                std::fill(sum, sum + K, 0.0f);
+                for (int64_t p = 0; p < parts; ++p)
+                    for (int64_t k = 0; k < K; ++k) sum[k] += partial[(head * parts + p) * stride + k];
+            }
         }
-        // one thread, in head, part and key order: the votes' sums do not depend on the thread count
+        // one thread, in head and key order: the votes' sums do not depend on the thread count
         static thread_local std::vector<float> votes;
         votes.assign(c.positions, 0.0f);
-        std::vector<float> mass(K);
         for (int64_t head = 0; head < heads; ++head) {
-            std::fill(mass.begin(), mass.end(), 0.0f);
-            for (int64_t p = 0; p < parts; ++p)
-                for (int64_t k = 0; k < K; ++k) mass[k] += partial[(head * parts + p) * stride + k];
             const int64_t* origins = c.origins + head * c.capacity;
-            for (int64_t k = 0; k < K; ++k) votes[origins[candidates[head * K + k]] & mask] += mass[k];
+            const float* sum = mass.data() + head * K;
+            for (int64_t k = 0; k < K; ++k) votes[origins[candidates[head * K + k]] & mask] += sum[k];
         }
         const float* vote = votes.data();
 #pragma omp parallel num_threads(threads)
@@ -1132,6 +1267,14 @@ int h2o_recall_panel_product(const float* q, int64_t G, int64_t depth, const flo
                              int64_t ldo, int wide) {
     if (G % 4 || ldo < tiles * TILE || (wide && !__builtin_cpu_supports("avx512f"))) return 1;
     (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
+    return 0;
+}
+
+// softmax_into with a chosen instruction set (wide: AVX-512, where the CPU has it), for the tests;
+// returns nonzero where it cannot run.
+int h2o_recall_softmax_into(float* p, int64_t n, float scaling, float* mass, int first, int wide) {
+    if (n < 1 || (wide && !__builtin_cpu_supports("avx512f"))) return 1;
+    (wide ? softmax_into_avx512 : softmax_into_avx2)(p, n, scaling, mass, first != 0);
     return 0;
 }
 

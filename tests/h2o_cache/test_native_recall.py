@@ -172,6 +172,32 @@ def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, k
     assert torch.equal(window[untouched], cache.windows[0][1][untouched])
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 24, 40, 1000, 2048])
+def test_the_choices_softmax_gives_the_same_floats_on_both_instruction_sets(n):
+    """`softmax_into` (every choice's masses): the AVX-512 version gives the AVX2 version's floats bit for
+    bit, the probabilities and the masses they are added to or written into, past the last 16 and 8
+    elements too; and both are the softmax of the scaled logits."""
+    lib = kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    generator = torch.Generator().manual_seed(n)
+    start = torch.rand(n, generator=generator)
+    # near-uniform logits, whose sum's rounding depends on its order, and spread ones
+    for first, logits in [(0, torch.rand(n, generator=generator)), (1, torch.rand(n, generator=generator)),
+                          (0, torch.randn(n, generator=generator) * 40), (1, torch.randn(n, generator=generator) * 40)]:
+        results = {}
+        for wide in (0, 1):
+            p, mass = logits.clone(), start.clone()
+            if lib.h2o_recall_softmax_into(p.data_ptr(), n, 0.125, mass.data_ptr(), first, wide):
+                continue  # no AVX-512 on this CPU
+            expected = torch.softmax(logits * 0.125, dim=0)
+            torch.testing.assert_close(p / p.sum(), expected, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(mass, expected if first else start + expected, rtol=1e-5, atol=1e-7)
+            results[wide] = p, mass
+        if len(results) == 2:
+            assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("items, depth", [(16, 8), (45, 64), (226, 128)])
 def test_the_products_of_queries_and_packed_tiles_agree_on_both_instruction_sets(items, depth):
     """The prefill choice's products (`panel_product`): AVX2 and AVX-512 give the same floats (the same
