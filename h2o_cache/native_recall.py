@@ -101,6 +101,25 @@ def ranks(cache) -> bool:
             and spec.head_dim % 8 == 0 and kernel() is not None)
 
 
+def rank_rotate(cache, layer: int, row: int, r: int, n: int, out: torch.Tensor) -> bool:
+    """`recall.rank_rotated` for one row of a prefill pass in one C++ call: out[:, :n] ([H_kv, K, D] of
+    the pass's copy of the keys) <- the row's held keys of `layer` rotated to their `held_ranks`, the
+    window's r stored as a window stores them. The torch ops' ~20 calls took ~0.6 ms a layer and chunk
+    (~0.6 s of a 4k prompt's prefill). False, nothing written, where it cannot (not an fp32 cache on the
+    CPU, no kernel, shapes it does not take): the torch ops then."""
+    keys, origins = cache._keys[layer, row], cache._origins[layer, row]
+    if (keys.dtype != torch.float32 or keys.device.type != "cpu" or out.dtype != torch.float32
+            or keys.stride()[1:] != (keys.shape[-1], 1) or out.stride()[1:] != (out.shape[-1], 1)
+            or origins.stride(1) != 1 or kernel() is None):
+        return False
+    cos, sin = cache.spec.rope.get(n)
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == torch.float32):
+        return False
+    return kernel().h2o_rank_rotate(keys.data_ptr(), keys.stride(0), origins.data_ptr(), origins.stride(0),
+                                    keys.shape[0], r, n, keys.shape[-1], cos.data_ptr(), sin.data_ptr(),
+                                    out.data_ptr(), out.stride(0), 1) == 0
+
+
 @torch.no_grad()
 def assign(cache, row: int, queries: torch.Tensor, scaling: float, layers: slice, everywhere: bool,
            voters: list[int] | None = None, margin: float = 0.0) -> None:

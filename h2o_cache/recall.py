@@ -406,6 +406,8 @@ def rank_rotated(cache: H2OCache, step, layer: int, keys: torch.Tensor) -> torch
     keys = keys.clone()
     for row in rows:
         n, r = cache.lengths[row] + step.n_new[row], cache.recalled[row]
+        if native_recall.rank_rotate(cache, layer, row, r, n, keys[row]):
+            continue
         _rotate_to_ranks(cache, keys[row, :, :n], cache._keys[layer, row, :, :n], cache._origins[layer, row, :, :n])
         keys[row, :, :r] = stored(keys[row, :, :r], cache.spec.dtype)  # a window's keys, at any position
     return keys

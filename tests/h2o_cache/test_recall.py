@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, recall, selection
+from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, native_recall, recall, selection
+from h2o_cache.quantized import kernel
 from h2o_cache.cache import BURST, FIRST, INTERVAL
 from h2o_cache.cache import _epochs as cache_epochs
 from h2o_cache.rope import rotate
@@ -889,7 +890,7 @@ def test_held_ranks_order_every_held_token_by_its_origin_a_phrase_one_position_a
     assert fractional.max() - fractional.min() < 1
 
 
-def test_rank_positions_rotate_the_held_keys_of_a_row_with_a_window_to_their_ranks_and_no_other(peaked_model):
+def test_rank_positions_rotate_the_held_keys_of_a_row_with_a_window_to_their_ranks_and_no_other(peaked_model, monkeypatch):
     """recall_positions "rank": a pass attends to each held key rotated to its rank (`rank_rotated`,
     a copy: the buffers keep the text layout); a row with no window yet attends as before; generation
     with it is deterministic and reads other positions than the text layout's (other replies)."""
@@ -914,6 +915,13 @@ def test_rank_positions_rotate_the_held_keys_of_a_row_with_a_window_to_their_ran
     assert torch.equal(rotated[0, :, :r], rotated[0, :, :r].half().float())
     assert not torch.allclose(rotated[0, :, :n], before[0, :, :n])
     assert torch.equal(rotated[1], before[1])
+    # the C++ rotation (`native_recall.rank_rotate`, where there is a kernel) and the torch ops agree
+    natively = native_recall.rank_rotate(cache, layer, 0, r, n, keys[0].clone())
+    monkeypatch.setattr(native_recall, "rank_rotate", lambda *args: False)
+    by_torch = recall.rank_rotated(cache, step, layer, keys)
+    monkeypatch.undo()
+    assert natively == (kernel() is not None)
+    assert torch.equal(by_torch, rotated)
     cache._step = None
     prompt = [random_tokens(90, seed=3)]
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
