@@ -26,20 +26,54 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from clients.server_proc import spawned_server
 
-QUESTION = "What is the pass key? Answer with the number only."
-CODE_QUESTION = "What is the access code for the north gate?"
-NAME_QUESTION = "What was the name of the cat on the ship?"
 # the name form's answers: names that the articles do not use
 NAMES = ("Mortimer", "Bartholomew", "Clementine", "Archibald", "Penelope", "Ignatius", "Winifred", "Cornelius",
          "Rosalind", "Percival", "Octavia", "Cuthbert", "Marigold", "Thaddeus", "Ottoline", "Barnaby", "Henrietta",
          "Ambrose", "Lavinia", "Reginald")
 XSUM = Path(__file__).resolve().parents[2] / "shared/data/xsum_dev.jsonl"
+
+
+@dataclass(frozen=True)
+class Form:
+    """A way to hide a fact in one message and ask for it.
+
+    sentence: what is planted, `{key}` standing for the key; question: what the message ends with;
+    intro: what it says before the text ("" for nothing up front); step: words between the passages of
+    consecutive keys (None: the words' count + 997, and only with --vary: else every key in the first
+    words); articles: the filler is the XSum articles (else --text); keys(rng, n): the n keys to find;
+    max_tokens: the reply's length (a reply repeats the question's words first); title: for the table."""
+
+    sentence: str
+    question: str
+    intro: str
+    step: int | None
+    articles: bool
+    keys: Callable[[random.Random, int], list]
+    max_tokens: int
+    title: str
+
+
+FORMS = {
+    "passkey": Form("The pass key is {key}. Remember it. {key} is the pass key.",
+                    "What is the pass key? Answer with the number only.",
+                    "There is a pass key hidden in the text below. Find it and remember it.", None, False,
+                    lambda rng, n: [rng.randrange(10_000, 100_000) for _ in range(n)], 16, "Pass key"),
+    "code": Form("Staff were told that the access code for the north gate is {key}.",
+                 "What is the access code for the north gate?", "", 997, True,
+                 lambda rng, n: [rng.randrange(100_000, 1_000_000) for _ in range(n)], 24,
+                 "A 6-digit code stated once in news articles"),
+    "name": Form("The crew's cat, a ginger tom named {key}, had sailed with the ship for nine years.",
+                 "What was the name of the cat on the ship?", "", 1013, True,
+                 lambda rng, n: rng.sample(NAMES, n), 24, "A name stated once in news articles"),
+}
 
 
 def filler_words(path: Path) -> list[str]:
@@ -64,33 +98,18 @@ def passage_start(words: list[str], length: int, index: int, step: int | None = 
     return index * (length + 997 if step is None else step) % max(1, len(words) - length)
 
 
-def document(words: list[str], length: int, depth: float, key: int, start: int = 0) -> str:
-    """`length` words of the filler from word `start`, with the pass-key sentence at `depth`."""
-    return planted(words, start, length, depth, f"The pass key is {key}. Remember it. {key} is the pass key.")
-
-
-def code_document(words: list[str], length: int, depth: float, key: int, index: int) -> str:
-    """`length` words of the articles, from a place that differs per key (`index`), with one sentence
-    stating the code at `depth`."""
-    return planted(words, passage_start(words, length, index, step=997), length, depth,
-                   f"Staff were told that the access code for the north gate is {key}.")
-
-
-def name_document(words: list[str], length: int, depth: float, name: str, index: int) -> str:
-    """`length` words of the articles, from a place that differs per key (`index`, other places than
-    the code form's), with one sentence naming the ship's cat at `depth`."""
-    return planted(words, passage_start(words, length, index, step=1013), length, depth,
-                   f"The crew's cat, a ginger tom named {name}, had sailed with the ship for nine years.")
+def document(form: str, words: list[str], length: int, depth: float, key, index: int = 0, vary: bool = False) -> str:
+    """`length` words of the filler with the form's sentence for `key` at `depth`: from the `index`-th
+    key's own place (`passage_start`) where the form has a step or `vary`, else from the first word."""
+    kind = FORMS[form]
+    start = passage_start(words, length, index, kind.step) if kind.step is not None or vary else 0
+    return planted(words, start, length, depth, kind.sentence.format(key=key))
 
 
 def message(form: str, text: str) -> str:
-    """The user message: the pass-key form tells what is hidden and asks for the number; the code and
-    name forms just ask."""
-    if form == "code":
-        return f"{text}\n\n{CODE_QUESTION}"
-    if form == "name":
-        return f"{text}\n\n{NAME_QUESTION}"
-    return f"There is a pass key hidden in the text below. Find it and remember it.\n\n{text}\n\n{QUESTION}"
+    """The user message: the text and the form's question, after what the form says up front if anything."""
+    kind = FORMS[form]
+    return f"{kind.intro}\n\n{text}\n\n{kind.question}" if kind.intro else f"{text}\n\n{kind.question}"
 
 
 def ask(client: httpx.Client, url: str, content: str, max_tokens: int) -> tuple[str, int]:
@@ -112,12 +131,7 @@ def run(url: str, words: list[str], lengths: list[int], depths: list[float], key
             for depth in depths:
                 hits, tokens = 0, 0
                 for index, key in enumerate(keys):
-                    if form == "code":
-                        text = code_document(words, length, depth, key, index)
-                    elif form == "name":
-                        text = name_document(words, length, depth, key, index)
-                    else:
-                        text = document(words, length, depth, key, passage_start(words, length, index) if vary else 0)
+                    text = document(form, words, length, depth, key, index, vary)
                     reply, tokens = ask(client, url, message(form, text), max_tokens)
                     hits += str(key) in reply
                 out[(length, depth)] = (hits / len(keys), tokens)
@@ -130,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--spawn", default=None, help="comma-separated policies to start in turn, e.g. full,h2o")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="more flags for spawned servers")
-    parser.add_argument("--form", choices=("passkey", "code", "name"), default="passkey",
+    parser.add_argument("--form", choices=tuple(FORMS), default="passkey",
                         help="passkey: told a key is hidden, the key stated twice; code: a 6-digit code in news "
                              "articles, stated once, nothing said up front; name: the same with a name (of a "
                              f"ship's cat) for an answer, at most {len(NAMES)} keys")
@@ -152,18 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                              "always varies)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    args.max_tokens = args.max_tokens or (16 if args.form == "passkey" else 24)
+    form = FORMS[args.form]
+    args.max_tokens = args.max_tokens or form.max_tokens
     if args.form == "name" and not 0 < args.keys <= len(NAMES):
         parser.error(f"--form name has {len(NAMES)} names: --keys 1 to {len(NAMES)}")
-    if args.form == "code":
-        words = filler_words(args.xsum)
-        keys = [rng.randrange(100_000, 1_000_000) for _ in range(args.keys)]
-    elif args.form == "name":
-        words = filler_words(args.xsum)
-        keys = rng.sample(NAMES, args.keys)
-    else:
-        words = filler_words(args.text)[args.skip_words:]
-        keys = [rng.randrange(10_000, 100_000) for _ in range(args.keys)]
+    words = filler_words(args.xsum) if form.articles else filler_words(args.text)[args.skip_words:]
+    keys = form.keys(rng, args.keys)
     results = {}
     try:
         if args.spawn:
@@ -179,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = list(results)
     first = results[names[0]]
-    what = {"code": "A 6-digit code stated once in news articles", "name": "A name stated once in news articles",
-            "passkey": "Pass key"}[args.form]
-    print(f"{what} in one message, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
+    print(f"{form.title} in one message, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
     print("| words | prompt tokens | depth | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for cell, (_, tokens) in first.items():

@@ -1,24 +1,25 @@
 """`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
 
-from clients.needle import CODE_QUESTION, code_document, document, filler_words, message, passage_start
+from clients.needle import FORMS, NAMES, document, filler_words, message, passage_start
 
 WORDS = [f"w{i}" for i in range(5000)]
 
 
 def test_the_code_form_states_the_code_once_at_its_depth_in_a_piece_that_differs_per_key():
-    text = code_document(WORDS, 1000, 0.5, 123456, index=3)
+    text = document("code", WORDS, 1000, 0.5, 123456, index=3)
     words = text.split()
     assert text.count("123456") == 1 and len(words) == 1000 + len("Staff were told that the access code for the north gate is 123456.".split())
     at = words.index("Staff")
     before, after = int(words[at - 1][1:]), int(words[at + 13][1:])
     assert at == 500 and after == before + 1  # the sentence sits between two halves of one run of words
-    assert code_document(WORDS, 1000, 0.5, 123456, index=4).split()[0] != words[0]
+    assert document("code", WORDS, 1000, 0.5, 123456, index=4).split()[0] != words[0]
+    assert document("code", WORDS, 1000, 0.5, 123456, index=3) == text  # the same key's place: the same text
 
 
 def test_the_code_form_says_nothing_up_front_and_the_passkey_form_does():
     code = message("code", "some text")
-    assert code.startswith("some text") and code.endswith(CODE_QUESTION) and "hidden" not in code
-    passkey = message("passkey", document(WORDS, 100, 0.25, 54321))
+    assert code.startswith("some text") and code.endswith(FORMS["code"].question) and "hidden" not in code
+    passkey = message("passkey", document("passkey", WORDS, 100, 0.25, 54321))
     assert passkey.startswith("There is a pass key hidden") and passkey.count("54321") == 2
 
 
@@ -35,28 +36,27 @@ def test_varied_pass_keys_sit_in_passages_of_their_own_at_their_depth():
     starts = [passage_start(WORDS, 1000, i) for i in range(4)]
     assert starts[0] == 0 and len(set(starts)) == 4 and all(0 <= s <= len(WORDS) - 1000 for s in starts)
     for start in starts:
-        words = document(WORDS, 1000, 0.25, 54321, start).split()
+        words = document("passkey", WORDS, 1000, 0.25, 54321, starts.index(start), vary=True).split()
         at = words.index("The")
         assert words[0] == f"w{start}" and at == 250 and words[at - 1] == f"w{start + 249}" and words[at + 12] == f"w{start + 250}"
         assert len(words) == 1000 + 12  # the needle's 12 words
-    assert document(WORDS, 100, 0.5, 7) == document(WORDS, 100, 0.5, 7, 0)  # unvaried: the first words
+    # unvaried: every key in the first words
+    assert document("passkey", WORDS, 100, 0.5, 7, index=3).split()[0] == "w0" == document("passkey", WORDS, 100, 0.5, 7).split()[0]
 
 
 def test_the_name_form_names_the_cat_once_at_its_depth_and_asks_in_other_words():
-    from clients.needle import NAME_QUESTION, name_document
-
-    text = name_document(WORDS, 1000, 0.85, "Mortimer", index=2)
+    text = document("name", WORDS, 1000, 0.85, "Mortimer", index=2)
     words = text.split()
     assert text.count("Mortimer") == 1 and len(words) == 1000 + 16
     at = words.index("crew's") - 1
     assert at == 850 and int(words[at + 16][1:]) == int(words[at - 1][1:]) + 1  # between two halves of one run
-    assert name_document(WORDS, 1000, 0.85, "Mortimer", index=2).split()[0] != code_document(WORDS, 1000, 0.85, 1, 2).split()[0]
+    assert text.split()[0] != document("code", WORDS, 1000, 0.85, 1, index=2).split()[0]
     asked = message("name", text)
-    assert asked.endswith(NAME_QUESTION) and "hidden" not in asked and "named" not in NAME_QUESTION
+    question = FORMS["name"].question
+    assert asked.endswith(question) and "hidden" not in asked and "named" not in question
 
 
 def test_the_name_form_s_names_are_distinct_and_none_is_in_the_articles():
-    from clients.needle import NAMES
     from tests.conftest import shared_data
 
     articles = " ".join(filler_words(shared_data("xsum_dev.jsonl")))
