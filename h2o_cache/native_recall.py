@@ -234,6 +234,11 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
     sources = _sources(cache, row, storage, span, scaling, window, voters, queries.shape[2], cos, sin)
     kept = _prepared.setdefault(cache, {})
     entry = kept.get((row, first, end, window))
+    if entry is not None and entry[0] != sources and _grown_only(entry[0], sources):
+        # blocks formed since, nothing moved (a prefill's next chunk): only the counts they set change
+        entry[1].blocks = archive.full_blocks
+        entry[1].candidates = min(CANDIDATES * (r // archive.block), archive.full_blocks)
+        entry = kept[(row, first, end, window)] = (sources, *entry[1:])
     if entry is None or entry[0] != sources:
         entry = (sources, *_build(cache, row, storage, first, end, span, scaling, window, voters,
                                   queries.shape[2], cos, sin))
@@ -386,6 +391,12 @@ def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: 
                    None if buffers.scores is None else buffers.scores.data_ptr(),
                    None if copy is None else (copy.data_ptr(), tuple(copy.shape)))
     return fields
+
+
+def _grown_only(kept: tuple, now: tuple) -> bool:
+    """Whether `_sources` now differ from the kept ones only in the archive's full blocks (field 1),
+    which set nothing in a `Choice` but its `blocks` and `candidates`."""
+    return len(kept) == len(now) and kept[0] == now[0] and kept[2:] == now[2:]
 
 
 def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
