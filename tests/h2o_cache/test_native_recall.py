@@ -198,7 +198,7 @@ def test_the_choices_softmax_gives_the_same_floats_on_both_instruction_sets(n):
             assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("items, depth", [(16, 8), (45, 64), (226, 128)])
+@pytest.mark.parametrize("items, depth", [(16, 8), (20, 16), (45, 64), (50, 64), (226, 128)])
 def test_the_products_of_queries_and_packed_tiles_agree_on_both_instruction_sets(items, depth):
     """The prefill choice's products (`panel_product`): AVX2 and AVX-512 give the same floats (the same
     fused multiply-adds per output), and both the product of the queries with the items."""
