@@ -268,7 +268,8 @@ class Archive:
         queries: [L', H_kv, Q, D] before RoPE (L' = the layers of `layers`), the Q queries that share
         each KV head (its query group times the tokens of a chunk), any device.
         Per layer and head (`h2o_cache.selection`): the CANDIDATES x `tokens` / block blocks whose
-        digests' bound draws the most attention mass are candidates; the logits of the queries against
+        digests' bound draws the most attention mass are candidates (every block, in order, where there
+        are no more: the bound is then not computed, as the kernels skip it); the logits of the queries against
         the candidates' keys (in 16 bits: an fp32 archive's fp16 copies; fp32 arithmetic) give each
         key its attention mass, pooled by original position over all the layers and heads of
         `layers`, and each head takes the candidate blocks whose
