@@ -117,7 +117,7 @@ def rank_rotate(cache, layer: int, row: int, r: int, n: int, out: torch.Tensor) 
         return False
     return kernel().h2o_rank_rotate(keys.data_ptr(), keys.stride(0), origins.data_ptr(), origins.stride(0),
                                     keys.shape[0], r, n, keys.shape[-1], cos.data_ptr(), sin.data_ptr(),
-                                    out.data_ptr(), out.stride(0), 1) == 0
+                                    out.data_ptr(), out.stride(0)) == 0
 
 
 @torch.no_grad()
@@ -236,8 +236,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
     entry = kept.get((row, first, end, window))
     if entry is not None and entry[0] != sources and _grown_only(entry[0], sources):
         # blocks formed since, nothing moved (a prefill's next chunk): only the counts they set change
-        entry[1].blocks = archive.full_blocks
-        entry[1].candidates = min(CANDIDATES * (r // archive.block), archive.full_blocks)
+        entry[1].blocks, entry[1].candidates = _block_counts(archive, r)
         entry = kept[(row, first, end, window)] = (sources, *entry[1:])
     if entry is None or entry[0] != sources:
         entry = (sources, *_build(cache, row, storage, first, end, span, scaling, window, voters,
@@ -399,6 +398,12 @@ def _grown_only(kept: tuple, now: tuple) -> bool:
     return len(kept) == len(now) and kept[0] == now[0] and kept[2:] == now[2:]
 
 
+def _block_counts(archive, r: int) -> tuple[int, int]:
+    """A `Choice`'s `blocks` and `candidates` for an archive and a window of r slots: its full blocks,
+    and CANDIDATES per block the window takes, at most all of them."""
+    return archive.full_blocks, min(CANDIDATES * (r // archive.block), archive.full_blocks)
+
+
 def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
            voters: list[int] | None, group: int, cos, sin) -> tuple[_Choice, torch.Tensor, ctypes.Array, tuple]:
     """A row's `Choice` (queries, length and margin unset), the counts it writes (and a ctypes view of
@@ -408,12 +413,12 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
     heads = archive.shape[1]
     written = torch.zeros(end - first, heads, dtype=torch.int32)
     total = ctypes.c_int64(0)
-    blocks = r // archive.block
+    full_blocks, candidates = _block_counts(archive, r)
     ranked = storage["half"] if archive.dtype == torch.float32 else storage["keys"]  # 16-bit keys
     fields = dict(
-        layers=end - first, heads=heads, dim=archive.head_dim, group=group, blocks=archive.full_blocks,
+        layers=end - first, heads=heads, dim=archive.head_dim, group=group, blocks=full_blocks,
         block=archive.block, capacity=storage["keys"].shape[2], digest_capacity=storage["lo"].shape[2],
-        window=r, candidates=min(CANDIDATES * blocks, archive.full_blocks), span=span,
+        window=r, candidates=candidates, span=span,
         positions=POSITIONS, threads=torch.get_num_threads(), scaling=scaling,
         lo=storage["lo"][first].data_ptr(), hi=storage["hi"][first].data_ptr(),
         origins=storage["origins"][first].data_ptr(), half=ranked[first].data_ptr(),

@@ -176,7 +176,7 @@ def kernel() -> ctypes.CDLL | None:
                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.h2o_rank_rotate.restype = ctypes.c_int
     lib.h2o_rank_rotate.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.h2o_recall_softmax_into.restype = ctypes.c_int
     lib.h2o_recall_softmax_into.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                                             ctypes.c_int, ctypes.c_int]

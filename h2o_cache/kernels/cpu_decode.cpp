@@ -739,13 +739,13 @@ int h2o_qmatmul(int kind, const uint8_t* w, const float* x, float* out, int64_t 
 // A prefill pass's held keys at their ranks (`recall.rank_rotated`), for each of `heads` KV heads:
 // out[t] <- keys[t] (before RoPE) rotated by the table's row ranks[t] for the n slots t, the ranks
 // `held_ranks` gives (the window's r slots in any order, the own slots after them ascending); the
-// window's keys (t < r) then rounded to fp16 and widened back where fp16_window (an fp32 cache holds a
-// window's keys so, `recall.stored`). Rows of keys, origins and out per head at the given strides;
+// window's keys (t < r) then rounded to fp16 and widened back, as an fp32 cache holds a window's keys
+// (`recall.stored`). Rows of keys, origins and out per head at the given strides;
 // cos, sin: [>= n, dim] (transformers' layout). Returns 1, nothing written, for shapes it cannot run
 // or own slots out of order.
 int h2o_rank_rotate(const float* keys, int64_t key_head_stride, const int64_t* origins, int64_t origin_head_stride,
                     int64_t heads, int64_t r, int64_t n, int64_t dim, const float* cos, const float* sin, float* out,
-                    int64_t out_head_stride, int fp16_window) {
+                    int64_t out_head_stride) {
     if (dim % 16 || r < 0 || r > n || n > 0xffff) return 1;
     for (int64_t h = 0; h < heads; ++h) {
         const int64_t* o = origins + h * origin_head_stride;
@@ -761,7 +761,7 @@ int h2o_rank_rotate(const float* keys, int64_t key_head_stride, const int64_t* o
         for (int64_t t = 0; t < n; ++t) {
             float* to = out + h * out_head_stride + t * dim;
             rope8(keys + h * key_head_stride + t * dim, cos + ranks[t] * dim, sin + ranks[t] * dim, to, dim);
-            if (fp16_window && t < r) round_fp16(to, dim);
+            if (t < r) round_fp16(to, dim);
         }
     }
     return 0;

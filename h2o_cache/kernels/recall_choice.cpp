@@ -178,25 +178,6 @@ inline void softmax_into_avx2(float* p, int64_t n, float scaling, float* mass, b
     for (int64_t j = i; j < n; ++j) mass[j] += p[j] * inverse;
 }
 
-// `exp8` in 16 lanes: the same operations, so each lane gives exp8's float bit for bit.
-__attribute__((target("avx512f")))
-inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-}
-
 // `softmax_into_avx2` with AVX-512: the same floats bit for bit. Each element gets the same operations
 // (those past the last multiple of 8 the same scalar ones), the maximum is exact in any order, and the
 // sum keeps the AVX2 version's order: 8 lanes, each adding its elements in turn (a 16-lane block's low
@@ -338,7 +319,6 @@ void panel_product(const float* q, int64_t G, int64_t depth, const float* panel,
     (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
 }
 
-inline float widen(float x, bool) { return x; }
 inline float widen(uint16_t x, bool bf16) {
     if (!bf16) return _cvtsh_ss(x);
     const uint32_t bits = static_cast<uint32_t>(x) << 16;
