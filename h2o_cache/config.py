@@ -130,7 +130,10 @@ class CacheConfig:
     # measured: halves the slots a choice rewrites (4,326 -> 2,128 a step) at the same NLL at every step
     # (3.4366 vs 3.4363 with all layers voting and no margin)
     recall_margin: float = 0.3
-    recall_queries: int | None = None  # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40
+    # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40; 64 of 128 (every 2nd
+    # query of a body chunk, RESULTS.md "Facts said once, the question's tail, every second query") a chunk's
+    # choice 2/3 of the time, but a code said once in ~4k-token messages 21/36, not 26/36
+    recall_queries: int | None = None
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
     recall_choices: int | None = None
