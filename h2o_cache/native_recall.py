@@ -378,6 +378,7 @@ def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: 
     where the kept one holds (the layers are in the key it is kept under)."""
     archive = cache.archives[row]
     held = recall.held(cache, row)
+    # the full blocks second: `_grown_only` compares all but them
     fields = (id(archive), archive.full_blocks, cache.recalled[row], held.data_ptr(), held.shape[-1],
               *(storage[name].data_ptr() for name in ("keys", "values", "origins", "lo", "hi", "half")),
               storage["keys"].shape[2], storage["lo"].shape[2], span, scaling, group, torch.get_num_threads(),
@@ -395,7 +396,7 @@ def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: 
 def _grown_only(kept: tuple, now: tuple) -> bool:
     """Whether `_sources` now differ from the kept ones only in the archive's full blocks (field 1),
     which set nothing in a `Choice` but its `blocks` and `candidates`."""
-    return len(kept) == len(now) and kept[0] == now[0] and kept[2:] == now[2:]
+    return kept[0] == now[0] and kept[2:] == now[2:]
 
 
 def _block_counts(archive, r: int) -> tuple[int, int]:
