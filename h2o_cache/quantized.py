@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / "cpu_decode.cpp", KERNELS / "recall_choice.cpp", KERNELS / "compaction.cpp"]
-HEADERS = [KERNELS / "int8_products.h", KERNELS / "placement.h", KERNELS / "vector_math.h"]
+HEADERS = [KERNELS / "amx_products.h", KERNELS / "int8_products.h", KERNELS / "placement.h", KERNELS / "vector_math.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 BLOCK = 32  # weights per GGUF block
 KINDS = {"Q4_1": (0, 20), "Q8_0": (1, 34)}  # GGUF type -> (kernel's kind, bytes per block)
@@ -180,6 +180,11 @@ def kernel() -> ctypes.CDLL | None:
     lib.h2o_recall_softmax_into.restype = ctypes.c_int
     lib.h2o_recall_softmax_into.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                                             ctypes.c_int, ctypes.c_int]
+    lib.h2o_recall_amx_product.restype = ctypes.c_int
+    lib.h2o_recall_amx_product.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    lib.h2o_recall_amx.restype = ctypes.c_int
+    lib.h2o_recall_amx.argtypes = [ctypes.c_int]
     return lib
 
 

@@ -34,6 +34,7 @@
 #include <numeric>
 #include <vector>
 
+#include "amx_products.h"
 #include "placement.h"
 #include "vector_math.h"
 
@@ -1041,22 +1042,35 @@ int choose_blocks(const Choice& c, int32_t* written) {
     constexpr int64_t part = 48;  // queries per task, a multiple of 4
     const int64_t parts = (c.group + part - 1) / part, tasks = heads * parts;
     const float scaling = static_cast<float>(c.scaling);
-    std::vector<int64_t> chosen(heads * r);
+    // kept between calls, as `choose` keeps its own (fresh pages of these sizes fault on every touch of
+    // every call: ~0.1 s of a 4k prompt's prefill); every value a call reads, it writes first. The
+    // threads of its parallel regions see the caller's through these references (each thread has its
+    // own thread_local)
+    static thread_local std::vector<int64_t> chosen_store, candidates_store, ranked_store;
+    static thread_local std::vector<float> panels_store, partial_store, mass_store;
+    std::vector<int64_t> &chosen = chosen_store, &candidates = candidates_store, &ranked = ranked_store;
+    std::vector<float> &panels = panels_store, &partial = partial_store, &mass = mass_store;
+    chosen.resize(heads * r);
     if (C == want) {  // every candidate is taken: the archive's blocks fill the window
         for (int64_t head = 0; head < heads; ++head)
             std::iota(chosen.begin() + head * r, chosen.begin() + (head + 1) * r, 0);
     } else {
+        // the products on the tile unit where there is one (`amx_products.h`), else packed fp32 tiles
+        const bool amx = amx_on();
         const int64_t bound_tiles = (N + TILE - 1) / TILE, key_tiles = (K + TILE - 1) / TILE;
-        const int64_t bound_size = bound_tiles * TILE * 2 * D, key_size = key_tiles * TILE * D;
+        const int64_t bound_size = bound_tiles * (amx ? amx_tile_floats(2 * D) : TILE * 2 * D);
+        const int64_t key_size = key_tiles * (amx ? amx_tile_floats(D) : TILE * D);
         const int64_t stride = std::max(N, K);
         const bool everything = C == N;  // every block a candidate: no bound stage
-        std::vector<float> panels(heads * std::max(bound_size, key_size)), partial(tasks * stride);
-        std::vector<int64_t> candidates(heads * K), ranked(heads * C);
+        panels.resize(heads * std::max(bound_size, key_size));
+        partial.resize(tasks * stride);
+        candidates.resize(heads * K);
+        ranked.resize(heads * C);
         // one task of a stage: queries g0 .. g1 of a head ([part][D] as they are, or split into their
         // positive and negative parts, [part][2D], against the digests' rows hi then lo) times the head's
         // panel of `tiles` tiles; partial[task] <- each query's softmax over the `items` items, summed
         auto stage = [&](int64_t task, bool split, int64_t panel_size, int64_t tiles, int64_t items,
-                         std::vector<float>& q, std::vector<float>& logits) {
+                         std::vector<float>& q, std::vector<uint16_t>& terms, std::vector<float>& logits) {
             const int64_t head = task / parts, g0 = task % parts * part, g1 = std::min(c.group, g0 + part);
             const int64_t depth = split ? 2 * D : D;
             q.assign(part * depth, 0.0f);
@@ -1072,9 +1086,18 @@ int choose_blocks(const Choice& c, int32_t* written) {
                     }
                 }
             }
-            const int64_t ldo = tiles * TILE, rows = (g1 - g0 + 3) / 4 * 4;
-            logits.resize(rows * ldo);
-            panel_product(q.data(), rows, depth, panels.data() + head * panel_size, tiles, logits.data(), ldo);
+            const int64_t ldo = tiles * TILE;
+            if (amx) {
+                const int64_t rows = (g1 - g0 + 15) / 16 * 16;
+                split_queries(q.data(), g1 - g0, depth, rows, terms);
+                logits.resize(rows * ldo);
+                amx_product(terms.data(), rows, depth, reinterpret_cast<const uint16_t*>(panels.data() + head * panel_size),
+                            tiles, logits.data(), ldo);
+            } else {
+                const int64_t rows = (g1 - g0 + 3) / 4 * 4;
+                logits.resize(rows * ldo);
+                panel_product(q.data(), rows, depth, panels.data() + head * panel_size, tiles, logits.data(), ldo);
+            }
             float* mass = partial.data() + task * stride;
             std::fill(mass, mass + items, 0.0f);
             for (int64_t g = 0; g < g1 - g0; ++g) softmax_into(logits.data() + g * ldo, items, scaling, mass);
@@ -1087,10 +1110,11 @@ int choose_blocks(const Choice& c, int32_t* written) {
             return std::pair<int64_t, int64_t>{std::min(n, tiles * piece / pieces * TILE),
                                                std::min(n, tiles * (piece + 1) / pieces * TILE)};
         };
-        std::vector<float> mass(heads * K);
+        mass.resize(heads * K);
 #pragma omp parallel num_threads(threads)
         {
-            std::vector<float> q, logits;
+            static thread_local std::vector<float> q, logits;  // each thread's own, kept
+            static thread_local std::vector<uint16_t> terms;
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < (everything ? 0 : heads * pieces); ++task) {  // digests: rows [0, D) hi, [D, 2D) lo
                 const int64_t head = task / pieces;
@@ -1098,12 +1122,19 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 float* panel = panels.data() + head * bound_size;
                 const uint16_t* hi = c.hi + head * c.digest_capacity * D;
                 const uint16_t* lo = c.lo + head * c.digest_capacity * D;
-                pack_tiles(j0, j1, D, 2 * D, 0, [&](int64_t n) { return hi + n * D; }, panel);
-                pack_tiles(j0, j1, D, 2 * D, D, [&](int64_t n) { return lo + n * D; }, panel);
+                const auto his = [&](int64_t n) { return hi + n * D; };
+                const auto los = [&](int64_t n) { return lo + n * D; };
+                if (amx) {
+                    pack_amx(j0, j1, D, 2 * D, 0, his, reinterpret_cast<uint16_t*>(panel));
+                    pack_amx(j0, j1, D, 2 * D, D, los, reinterpret_cast<uint16_t*>(panel));
+                } else {
+                    pack_tiles(j0, j1, D, 2 * D, 0, his, panel);
+                    pack_tiles(j0, j1, D, 2 * D, D, los, panel);
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < (everything ? 0 : tasks); ++task)
-                stage(task, true, bound_size, bound_tiles, N, q, logits);
+                stage(task, true, bound_size, bound_tiles, N, q, terms, logits);
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 int64_t* at = candidates.data() + head * K;
@@ -1130,11 +1161,12 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 const auto [j0, j1] = run(task % pieces, K);
                 const int64_t* at = candidates.data() + head * K;
                 const uint16_t* stored = c.half + head * c.capacity * D;
-                pack_tiles(j0, j1, D, D, 0, [&](int64_t k) { return stored + at[k] * D; },
-                           panels.data() + head * key_size, c.half_bf16);
+                const auto rows = [&](int64_t k) { return stored + at[k] * D; };
+                if (amx) pack_amx(j0, j1, D, D, 0, rows, reinterpret_cast<uint16_t*>(panels.data() + head * key_size), c.half_bf16);
+                else pack_tiles(j0, j1, D, D, 0, rows, panels.data() + head * key_size, c.half_bf16);
             }
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < tasks; ++task) stage(task, false, key_size, key_tiles, K, q, logits);
+            for (int64_t task = 0; task < tasks; ++task) stage(task, false, key_size, key_tiles, K, q, terms, logits);
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {  // each key's mass, its parts summed in order
                 float* sum = mass.data() + head * K;
@@ -1248,6 +1280,39 @@ int h2o_recall_panel_product(const float* q, int64_t G, int64_t depth, const flo
     if (G % 4 || ldo < tiles * TILE || (wide && !__builtin_cpu_supports("avx512f"))) return 1;
     (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
     return 0;
+}
+
+// logits [G, ldo] <- queries [G, depth] times items [N, depth] (16-bit: fp16, or bf16 where bf16) on the tile
+// unit, as a prefill choice's products (`amx_product`); halves: the items packed in two calls, the
+// first and the second half of their values (as the digests' hi and lo are). For the tests; returns
+// nonzero where it cannot run (no AMX, or a shape it does not take).
+int h2o_recall_amx_product(const float* q, int64_t G, int64_t depth, const uint16_t* items, int64_t N, int bf16,
+                           int halves, float* out, int64_t ldo) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    if (!amx_supported() || G < 1 || N < 1 || depth % 8 || (halves && depth % 16) || ldo < tiles * TILE) return 1;
+    std::vector<float> panel(tiles * amx_tile_floats(depth), std::nanf(""));  // what packing leaves unwritten shows
+    uint16_t* packed = reinterpret_cast<uint16_t*>(panel.data());
+    if (halves) {
+        const int64_t half = depth / 2;
+        pack_amx(0, N, half, depth, 0, [&](int64_t j) { return items + j * depth; }, packed, bf16 != 0);
+        pack_amx(0, N, half, depth, half, [&](int64_t j) { return items + j * depth + half; }, packed, bf16 != 0);
+    } else {
+        pack_amx(0, N, depth, depth, 0, [&](int64_t j) { return items + j * depth; }, packed, bf16 != 0);
+    }
+    const int64_t rows = (G + 15) / 16 * 16;
+    std::vector<uint16_t> terms;
+    split_queries(q, G, depth, rows, terms);
+    std::vector<float> logits(rows * ldo, std::nanf(""));
+    amx_product(terms.data(), rows, depth, packed, tiles, logits.data(), ldo);
+    std::copy(logits.begin(), logits.begin() + G * ldo, out);
+    return 0;
+}
+
+// Whether a prefill choice's products run on the tile unit: want 0 or 1 switches it off or back on
+// (on: where the CPU and the OS allow it), -1 leaves it. Returns whether it now does.
+int h2o_recall_amx(int want) {
+    if (want >= 0) amx_wanted().store(want != 0);
+    return amx_on() ? 1 : 0;
 }
 
 // softmax_into with a chosen instruction set (wide: AVX-512, where the CPU has it), for the tests;

@@ -140,11 +140,25 @@ def test_the_kernel_chooses_by_the_votes_of_a_few_layers_as_the_torch_ops_do(vot
     assert differs >= 3 if layers is not None else differs == 0
 
 
+@pytest.fixture(params=[True, False], ids=["tile-unit", "fma"])
+def products(request):
+    """A prefill choice's products on the tile unit (AMX, where this CPU has it) or as fused
+    multiply-adds: the kernel chooses the same either way."""
+    lib = kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    if lib.h2o_recall_amx(int(request.param)) != request.param:
+        pytest.skip("this CPU (or its OS) has no AMX for the tile unit's products")
+    yield request.param
+    lib.h2o_recall_amx(1)
+
+
 @pytest.mark.parametrize("heads, kv_heads, chunk, layers", [(4, 2, 8, (0, 1)), (8, 1, 12, (1, 2)), (4, 4, 30, (0, 2))])
-def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, kv_heads, chunk, layers):
+def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, kv_heads, chunk, layers, products):
     """A prefill chunk's choice by whole blocks, votes pooled over the heads of its layers: query
     groups of 2, 8 and 1 times chunks of 8-30 (8 x 12 = 96 queries per KV head: parts of 48 summed),
-    one layer or two, noisier queries each time, each starting from the window the last one left."""
+    one layer or two, noisier queries each time, each starting from the window the last one left;
+    the products on the tile unit or as fused multiply-adds."""
     model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3)
     gen, cache = conversation(model)
     if not native_recall.supports(cache):
@@ -222,6 +236,36 @@ def test_the_products_of_queries_and_packed_tiles_agree_on_both_instruction_sets
         assert (out[:, items:tiles * 16] == 0).all() and out[:, tiles * 16:].isnan().all()
     if len(results) == 2:
         assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("items, depth, halves, dtype", [
+    (16, 8, False, torch.float16), (20, 16, True, torch.float16), (45, 64, False, torch.float16),
+    (50, 64, True, torch.bfloat16), (226, 128, True, torch.float16), (2048, 64, False, torch.float16),
+    (31, 96, False, torch.bfloat16)])
+def test_the_tile_units_products_are_as_close_to_exact_as_fused_multiply_adds(items, depth, halves, dtype):
+    """A prefill choice's products on AMX (`amx_product`): bf16 products summed in fp32, the 16-bit
+    items split into two bf16 terms and the fp32 queries into three. Against fp64 products of the same
+    values, no further off than fp32 products are, for 1-48 queries (row tiles of 16 part-filled),
+    whole and partial tiles, depths not a multiple of the unit's 32, items packed whole or in two
+    halves (as the digests' hi and lo); the items past the last are zero, nothing past the tiles is
+    written."""
+    lib = kernel()
+    if lib is None:
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    generator = torch.Generator().manual_seed(items)
+    rows = (2 * torch.randn(items, depth, generator=generator)).to(dtype)
+    tiles = -(-items // 16)
+    for count in (1, 5, 16, 48):
+        queries = 3 * torch.randn(count, depth, generator=generator)
+        out = torch.full((count, tiles * 16 + 3), float("nan"))
+        if lib.h2o_recall_amx_product(queries.data_ptr(), count, depth, rows.view(torch.int16).data_ptr(), items,
+                                      int(dtype == torch.bfloat16), int(halves), out.data_ptr(), out.shape[1]):
+            pytest.skip("this CPU (or its OS) has no AMX for the tile unit's products")
+        exact = queries.double() @ rows.double().T
+        fp32 = (queries @ rows.float().T).double()
+        error, fp32_error = (out[:, :items].double() - exact).abs().max(), (fp32 - exact).abs().max()
+        assert error <= 4 * fp32_error + 1e-6, (error, fp32_error)
+        assert (out[:, items:tiles * 16] == 0).all() and out[:, tiles * 16:].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
