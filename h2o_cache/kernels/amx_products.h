@@ -166,12 +166,26 @@ void pack_amx(int64_t j0, int64_t j1, int64_t width, int64_t depth, int64_t offs
 }
 
 // q ([G][depth] floats) -> 3 terms x [rows][steps * 32] bf16, hi + mid + low = q exactly; the rows past G
-// and the depth's padding zero. rows: G rounded up to 16.
+// and the depth's padding zero. rows: G rounded up to 16. 16 values at a time, the rest one by one.
+__attribute__((target("avx512f")))
 inline void split_queries(const float* q, int64_t G, int64_t depth, int64_t rows, std::vector<uint16_t>& out) {
     const int64_t width = (depth + AMX_STEP - 1) / AMX_STEP * AMX_STEP, term = rows * width;
     out.assign(3 * term, 0);
-    for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < depth; ++d) {
+    for (int64_t g = 0; g < G; ++g) {
+        int64_t d = 0;
+        for (; d + 16 <= depth; d += 16) {
+            __m512 rounded, unused;
+            const __m512 x = _mm512_loadu_ps(q + g * depth + d);
+            const __m512i hi = round_bf16x16(x, rounded);
+            const __m512 rest = _mm512_sub_ps(x, rounded);
+            const __m512i mid = round_bf16x16(rest, rounded);
+            const __m512i low = round_bf16x16(_mm512_sub_ps(rest, rounded), unused);
+            uint16_t* at = out.data() + g * width + d;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_cvtepi32_epi16(hi));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + term), _mm512_cvtepi32_epi16(mid));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 2 * term), _mm512_cvtepi32_epi16(low));
+        }
+        for (; d < depth; ++d) {
             const float x = q[g * depth + d];
             const uint16_t hi = bf16_bits(x);
             const float rest = x - bf16_value(hi);
@@ -180,6 +194,7 @@ inline void split_queries(const float* q, int64_t G, int64_t depth, int64_t rows
             out[term + g * width + d] = mid;
             out[2 * term + g * width + d] = bf16_bits(rest - bf16_value(mid));
         }
+    }
 }
 
 struct TileConfig {
