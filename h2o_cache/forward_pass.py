@@ -40,7 +40,8 @@ class Step:
     uniform_start: int | None  # all rows write at the same slots: plain slice writes
     kv_len: int  # max(lengths) + C: keys visible to this pass
     mask: torch.Tensor | None  # [B, 1, C, kv_len] bool (True = attend); None: attend to all
-    hidden: torch.Tensor | None  # ~mask (True = not attended), computed once for every layer
+    hidden: torch.Tensor | None  # ~mask from slot masked_from on (True = not attended), computed once
+    masked_from: int  # every query attends to every slot below this (each row's resident slots)
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
     fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
     chosen: set[int] | None = None  # rows whose window this pass's chunk was given before it (with recall)
@@ -101,7 +102,8 @@ def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) ->
     return Step(
         n_new=list(n_new), positions=positions, write_slots=write_slots,
         uniform_start=cache.lengths[0] if uniform else None,
-        kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask, query_valid=query_valid,
+        kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask[..., min(cache.lengths):],
+        masked_from=min(cache.lengths), query_valid=query_valid,
         fed=None if fed is None else upload([fed, [n_new[row] - 1 for row in fed]], device),
         chosen=chosen,
     )
@@ -168,8 +170,8 @@ def attend(cache: H2OCache, step: Step, layer: int, query: torch.Tensor, keys: t
     grouped = query.reshape(b, h_kv, group * c, d).float()
     logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).mul_(scaling)
     logits = logits.view(b, h_kv, group, c, k)
-    if step.mask is not None:
-        logits.masked_fill_(step.hidden[:, :, None], float("-inf"))
+    if step.mask is not None:  # the resident slots every query attends to are left as they are
+        logits[..., step.masked_from:].masked_fill_(step.hidden[:, :, None], float("-inf"))
     probs = logits.softmax(dim=-1)
     cache._scores[layer][:b, :, :k] += accumulate_scores(probs, step.query_valid)
     out = torch.matmul(probs.view(b, h_kv, group * c, k).to(values.dtype), values)
