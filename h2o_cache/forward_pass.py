@@ -45,6 +45,7 @@ class Step:
     query_valid: torch.Tensor | None  # [B, C] bool; None: no padding queries
     fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
     chosen: set[int] | None = None  # rows whose window this pass's chunk was given before it (with recall)
+    turns: tuple[torch.Tensor, ...] | None = None  # `unrotation`'s, kept for the pass's other layers
 
 
 def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) -> Step:
@@ -118,8 +119,7 @@ def store(cache: H2OCache, step: Step, key_states: torch.Tensor, value_states: t
     rows = cache.batch_size
     targets = [(cache._values[layer], value_states)]
     if cache.config.rolling:
-        cos, sin = cache.spec.rope.get(step.kv_len)
-        unrotated = unrotate(key_states.float(), cos[step.positions][:, None], sin[step.positions][:, None])
+        unrotated = unrotate(key_states.float(), *unrotation(cache, step))
         targets += [(cache._keys[layer], unrotated.to(key_states.dtype)), (cache._rotated[layer], key_states)]
     else:
         targets.append((cache._keys[layer], key_states))
@@ -188,8 +188,17 @@ def choosing(cache: H2OCache, n: int) -> slice:
 
 def _plain(cache: H2OCache, step: Step, query: torch.Tensor) -> torch.Tensor:
     """query [B, H_q, C, D] rotated to this pass's positions -> before RoPE, fp32."""
-    cos, sin = cache.spec.rope.get(step.kv_len)
-    return unrotate(query.float(), cos[step.positions][:, None], sin[step.positions][:, None])
+    return unrotate(query.float(), *unrotation(cache, step))
+
+
+def unrotation(cache: H2OCache, step: Step) -> tuple[torch.Tensor, ...]:
+    """cos, sin ([B, 1, C, D]) at the pass's positions and cos^2 + sin^2, which `unrotate` divides by:
+    gathered once a pass, the same for every layer's keys and queries."""
+    if step.turns is None:
+        cos, sin = cache.spec.rope.get(step.kv_len)
+        cos, sin = cos[step.positions][:, None], sin[step.positions][:, None]
+        step.turns = (cos, sin, cos * cos + sin * sin)
+    return step.turns
 
 
 def _choose(cache: H2OCache, step: Step, layer: int, plain: torch.Tensor, scaling: float) -> None:

@@ -35,9 +35,10 @@ def rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torc
     out[..., half:].addcmul_(x1, s)
 
 
-def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of `rotate`, exact for any scaling s of cos = s cos t, sin = s sin t."""
-    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `rotate`, exact for any scaling s of cos = s cos t, sin = s sin t; norm: cos * cos + sin *
+    sin where the caller has it."""
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin if norm is None else norm)
 
 
 class RopeTable:
