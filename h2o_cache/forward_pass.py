@@ -94,6 +94,7 @@ def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) ->
     if min(n_new) != chunk:
         query_valid = offsets < torch.tensor(n_new, device=device)[:, None]
 
+    masked_from = min(cache.lengths)  # every row attends to all its resident slots: all rows to those below
     origins = torch.tensor(cache.seen, device=device)[:, None] + offsets  # [B, C]
     positions = write_slots if cache.config.rolling else origins
     # Every layer and head writes the new tokens at the same slots: one write for all of them.
@@ -103,8 +104,8 @@ def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) ->
     return Step(
         n_new=list(n_new), positions=positions, write_slots=write_slots,
         uniform_start=cache.lengths[0] if uniform else None,
-        kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask[..., min(cache.lengths):],
-        masked_from=min(cache.lengths), query_valid=query_valid,
+        kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask[..., masked_from:],
+        masked_from=masked_from, query_valid=query_valid,
         fed=None if fed is None else upload([fed, [n_new[row] - 1 for row in fed]], device),
         chosen=chosen,
     )

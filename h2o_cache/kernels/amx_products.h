@@ -25,6 +25,8 @@
 #include <atomic>
 #include <vector>
 
+#include "vector_math.h"
+
 namespace {
 
 constexpr int64_t AMX_ITEMS = 16;  // items per tile, as `TILE`
@@ -57,13 +59,6 @@ inline uint16_t bf16_bits(float x) {  // rounded to nearest even (finite x)
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
     return static_cast<uint16_t>((bits + 0x7fff + (bits >> 16 & 1)) >> 16);
-}
-
-inline float bf16_value(uint16_t h) {
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 // 16 floats -> their bf16 roundings (16-bit, in the low halves of 32-bit lanes) and those as floats.
@@ -153,14 +148,12 @@ void pack_amx(int64_t j0, int64_t j1, int64_t width, int64_t depth, int64_t offs
         const uint16_t* row = rows(j);
         for (int64_t d = 0; d < width; ++d) {
             const int64_t at = offset + d;
-            float x;
-            if (bf16) x = bf16_value(row[d]);
-            else x = _cvtsh_ss(row[d]);
+            const float x = widen(row[d], bf16);
             const uint16_t h = bf16_bits(x);
             const int64_t place = at / AMX_STEP * AMX_STEP * AMX_ITEMS + at % AMX_STEP / 2 * 2 * AMX_ITEMS
                                   + 2 * (j % AMX_ITEMS) + at % 2;
             tile[place] = h;
-            tile[plane + place] = bf16_bits(x - bf16_value(h));
+            tile[plane + place] = bf16_bits(x - widen(h, true));
         }
     }
 }
@@ -188,11 +181,11 @@ inline void split_queries(const float* q, int64_t G, int64_t depth, int64_t rows
         for (; d < depth; ++d) {
             const float x = q[g * depth + d];
             const uint16_t hi = bf16_bits(x);
-            const float rest = x - bf16_value(hi);
+            const float rest = x - widen(hi, true);
             const uint16_t mid = bf16_bits(rest);
             out[g * width + d] = hi;
             out[term + g * width + d] = mid;
-            out[2 * term + g * width + d] = bf16_bits(rest - bf16_value(mid));
+            out[2 * term + g * width + d] = bf16_bits(rest - widen(mid, true));
         }
     }
 }
@@ -203,9 +196,40 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
+// The product of 16 queries (`split_queries`' layout: hi at q, mid and low `term` apart, rows `stride`
+// bytes) with the packed tile at a (and, where two, the next one): tile 0 (1) accumulates, 2 holds a
+// term of the queries, 3 and 5 (4 and 6) the items' hi and lo of the step; stored at out (out + 16).
+template <bool two>
+__attribute__((target("amx-tile,amx-bf16")))
+inline void amx_tiles(const uint16_t* q, int64_t term, int64_t stride, int64_t steps, int64_t plane, const uint16_t* a,
+                      float* out, int64_t store) {
+    const uint16_t* b = a + 2 * plane;
+    _tile_zero(0);
+    if constexpr (two) _tile_zero(1);
+    for (int64_t s = 0; s < steps; ++s) {
+        const int64_t at = s * AMX_STEP * AMX_ITEMS;
+        _tile_loadd(3, a + at, 64);
+        _tile_loadd(5, a + plane + at, 64);
+        if constexpr (two) {
+            _tile_loadd(4, b + at, 64);
+            _tile_loadd(6, b + plane + at, 64);
+        }
+        for (int t = 0; t < 3; ++t) {  // hi, mid, low; low x lo (2^-24 of the product) left out
+            _tile_loadd(2, q + t * term + s * AMX_STEP, stride);
+            _tile_dpbf16ps(0, 2, 3);
+            if constexpr (two) _tile_dpbf16ps(1, 2, 4);
+            if (t == 2) continue;
+            _tile_dpbf16ps(0, 2, 5);
+            if constexpr (two) _tile_dpbf16ps(1, 2, 6);
+        }
+    }
+    _tile_stored(0, out, store);
+    if constexpr (two) _tile_stored(1, out + AMX_ITEMS, store);
+}
+
 // out[g * ldo + j] = q[g] . item j for g < rows (a multiple of 16) and the items of `tiles` packed tiles
-// (j < 16 * tiles), the queries as `split_queries` lays them out. Two tiles of items per pass: tiles 0-1
-// accumulate, 2 holds a term of 16 queries, 3-6 the items' hi and lo of the step.
+// (j < 16 * tiles), the queries as `split_queries` lays them out: two tiles of items per pass, the last
+// one alone.
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_product(const uint16_t* q, int64_t rows, int64_t depth, const uint16_t* panel, int64_t tiles, float* out,
                  int64_t ldo) {
@@ -220,54 +244,13 @@ void amx_product(const uint16_t* q, int64_t rows, int64_t depth, const uint16_t*
     const int64_t plane = steps * AMX_STEP * AMX_ITEMS, term = rows * width, stride = width * 2;
     const int64_t store = ldo * static_cast<int64_t>(sizeof(float));
     for (int64_t m = 0; m < rows; m += 16) {
-        const uint16_t* hi = q + m * width;
         int64_t t = 0;
-        for (; t + 2 <= tiles; t += 2) {
-            const uint16_t* a = panel + t * 2 * plane;
-            const uint16_t* b = a + 2 * plane;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t s = 0; s < steps; ++s) {
-                const int64_t at = s * AMX_STEP * AMX_ITEMS;
-                _tile_loadd(3, a + at, 64);
-                _tile_loadd(4, b + at, 64);
-                _tile_loadd(5, a + plane + at, 64);
-                _tile_loadd(6, b + plane + at, 64);
-                _tile_loadd(2, hi + s * AMX_STEP, stride);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
-                _tile_dpbf16ps(0, 2, 5);
-                _tile_dpbf16ps(1, 2, 6);
-                _tile_loadd(2, hi + term + s * AMX_STEP, stride);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
-                _tile_dpbf16ps(0, 2, 5);
-                _tile_dpbf16ps(1, 2, 6);
-                _tile_loadd(2, hi + 2 * term + s * AMX_STEP, stride);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
-            }
-            _tile_stored(0, out + m * ldo + t * AMX_ITEMS, store);
-            _tile_stored(1, out + m * ldo + (t + 1) * AMX_ITEMS, store);
-        }
-        if (t < tiles) {
-            const uint16_t* a = panel + t * 2 * plane;
-            _tile_zero(0);
-            for (int64_t s = 0; s < steps; ++s) {
-                const int64_t at = s * AMX_STEP * AMX_ITEMS;
-                _tile_loadd(3, a + at, 64);
-                _tile_loadd(5, a + plane + at, 64);
-                _tile_loadd(2, hi + s * AMX_STEP, stride);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(0, 2, 5);
-                _tile_loadd(2, hi + term + s * AMX_STEP, stride);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(0, 2, 5);
-                _tile_loadd(2, hi + 2 * term + s * AMX_STEP, stride);
-                _tile_dpbf16ps(0, 2, 3);
-            }
-            _tile_stored(0, out + m * ldo + t * AMX_ITEMS, store);
-        }
+        for (; t + 2 <= tiles; t += 2)
+            amx_tiles<true>(q + m * width, term, stride, steps, plane, panel + t * 2 * plane, out + m * ldo + t * AMX_ITEMS,
+                            store);
+        if (t < tiles)
+            amx_tiles<false>(q + m * width, term, stride, steps, plane, panel + t * 2 * plane, out + m * ldo + t * AMX_ITEMS,
+                             store);
     }
     _tile_release();
 }

@@ -320,14 +320,6 @@ void panel_product(const float* q, int64_t G, int64_t depth, const float* panel,
     (wide ? panel_product_avx512 : panel_product_avx2)(q, G, depth, panel, tiles, out, ldo);
 }
 
-inline float widen(uint16_t x, bool bf16) {
-    if (!bf16) return _cvtsh_ss(x);
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 // r[i] <- column i of the 8 x 8 matrix whose rows are r[0..8).
 inline void transpose8(__m256 r[8]) {
     __m256 t[8], u[8];

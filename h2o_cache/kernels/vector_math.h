@@ -3,8 +3,18 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 namespace {
+
+// A 16-bit value (fp16, or bf16 where bf16) widened exactly to fp32.
+inline float widen(uint16_t x, bool bf16) {
+    if (!bf16) return _cvtsh_ss(x);
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 inline float hsum8(__m256 s) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
