@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="a text file whose tokens make the history and the turn (from its 1,000th token), so "
                              "that the rows decode a continuation of real text; default: random tokens, on which "
                              "attention is flatter and a choice keeps more of its window from step to step")
-    parser.add_argument("--intervals", type=int, nargs="+", default=[4], help="recall_interval values to time (a row "
-                        "decoding alone; with more rows, times their count, at most recall_interval_max)")
+    parser.add_argument("--intervals", type=int, nargs="+", default=[CacheConfig.recall_interval],
+                        help="recall_interval values to time (a row decoding alone; with more rows, times their count, "
+                             "at most recall_interval_max; default: the server's, a choice at every step)")
     parser.add_argument("--interval-max", type=int, default=CacheConfig.recall_interval_max,
                         help="recall_interval_max: the longest interval a row's grows to (at or below an interval: "
                              "it does not grow)")
