@@ -74,7 +74,7 @@ class Archive:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 block: int, limit: int, digest: str = "mean"):
+                 block: int, limit: int, digest: str = CacheConfig.recall_digest):
         if block < 1 or limit < block:
             raise ValueError(f"archive block ({block}) must be >= 1 and <= its limit ({limit})")
         if digest not in DIGESTS:
@@ -117,7 +117,8 @@ class Archive:
     @property
     def nbytes(self) -> int:
         """Host bytes of the held tokens (keys, values, scores, origins and digests)."""
-        per_token = (2 * self.head_dim * self.dtype.itemsize + 4 + 8 + 2 * self.head_dim * 2 / self.block
+        digests = 1 if self.digest == "centre" else 2  # a centre's lo and hi are one tensor
+        per_token = (2 * self.head_dim * self.dtype.itemsize + 4 + 8 + digests * self.head_dim * 2 / self.block
                      + (2 * self.head_dim if self._ranks_copies() else 0))
         return int(len(self) * self.shape[0] * self.shape[1] * per_token)
 
@@ -179,7 +180,8 @@ class Archive:
                "values": _storage(*head, capacity, d, dtype=self.dtype),
                "scores": _storage(*head, capacity, dtype=torch.float32),
                "origins": _storage(*head, capacity, dtype=torch.int64)}
-        lo, hi = _storage(*head, blocks, d, dtype=torch.float16), _storage(*head, blocks, d, dtype=torch.float16)
+        lo = _storage(*head, blocks, d, dtype=torch.float16)
+        hi = lo if self.digest == "centre" else _storage(*head, blocks, d, dtype=torch.float16)  # a box of no width
         half = _storage(*head, capacity if self._ranks_copies() else 0, d, dtype=torch.float16)
         if self._data:
             for name, buffer in new.items():
@@ -197,7 +199,7 @@ class Archive:
         drop = min(full, -(-max(at_least, self.limit // 8) // size))
         for buffer in self._data.values():
             buffer[:, :, :self.stored - drop * size] = buffer[:, :, drop * size:self.stored].clone()
-        for digest in (self._lo, self._hi):
+        for digest in (self._lo,) if self._hi is self._lo else (self._lo, self._hi):
             digest[:, :, :full - drop] = digest[:, :, drop:full].clone()
         if self._ranks_copies():
             self._half[:, :, :(full - drop) * size] = self._half[:, :, drop * size:full * size].clone()
@@ -240,7 +242,7 @@ class Archive:
                        scores=data["scores"].data_ptr(), origins=data["origins"].data_ptr(),
                        lo=self._lo.data_ptr(), hi=self._hi.data_ptr(),
                        half=self._half.data_ptr() if self._ranks_copies() else None,
-                       fp16=int(self.dtype == torch.float16), mean=int(self.digest == "mean"))
+                       fp16=int(self.dtype == torch.float16), mean=_DIGEST_CODES[self.digest])
         if kernel().h2o_form_blocks(ctypes.byref(job)):
             raise ValueError("the native block forming refused the archive's storage")
         self._digested = full
@@ -383,6 +385,9 @@ class Archive:
             self._digest(0, int(state["blocked"][0]))
 
 
+# `Forming.mean` of each digest (`kernels/compaction.cpp`)
+_DIGEST_CODES = {"minmax": 0, "mean": 1, "centre": 2}
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
@@ -424,12 +429,15 @@ class _Forming(ctypes.Structure):
 
 def block_digests(keys: torch.Tensor, digest: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """keys [..., blocks, block, D] fp32. Returns the blocks' digests lo, hi [..., blocks, D] (`DIGESTS`):
-    "mean", per channel the keys' mean -/+ their mean absolute deviation, each sum taken in token order
-    (as `kernels/compaction.cpp` sums them, so both give the same bits); "minmax", their min and max."""
+    "centre", per channel the keys' mean, as both lo and hi; "mean", that mean -/+ the keys' mean
+    absolute deviation; each sum taken in token order (as `kernels/compaction.cpp` sums them, so both
+    give the same bits); "minmax", their min and max."""
     if digest == "minmax":
         return keys.amin(dim=-2), keys.amax(dim=-2)
     size = keys.shape[-2]
     centre = functools.reduce(torch.add, keys.unbind(dim=-2)) / size
+    if digest == "centre":
+        return centre, centre
     spread = functools.reduce(torch.add, (keys - centre.unsqueeze(-2)).abs().unbind(dim=-2)) / size
     return centre - spread, centre + spread
 

@@ -97,9 +97,10 @@ class ServerSettings(BaseSettings):
                                               "top of --kv-budget; a multiple of --recall-block; 0: evicted tokens are "
                                               "dropped; unset: 128 with an evicting policy and position rolling, else 0")
     recall_block: int = Field(8, ge=1, le=4096, description="tokens per archived block, the unit of recall")
-    recall_digest: Literal["mean", "minmax"] = Field(
-        "mean", description="what ranks the archived blocks before their keys are read: mean, their keys' mean "
-                            "-/+ mean deviation (ArkVale); minmax, their min and max (Quest)")
+    recall_digest: Literal["centre", "mean", "minmax"] = Field(
+        "centre", description="what ranks the archived blocks before their keys are read: centre, their keys' "
+                              "mean; mean, that mean -/+ the keys' mean deviation (ArkVale); minmax, their min "
+                              "and max (Quest)")
     recall_positions: Literal["text", "rank"] | None = Field(
         None, description="where RoPE reads the held keys of a conversation with a recall window: text, own keys "
                           "at their slots and recalled ones between them; rank, every held key at its rank in "

@@ -153,7 +153,8 @@ struct Forming {
     uint16_t* hi;
     uint16_t* half;  // [heads, capacity, dim] fp16 copies of an fp32 archive's keys; null for an fp16 one
     int64_t fp16;
-    int64_t mean;    // digests: 0 the channel-wise min and max; 1 the mean -/+ the mean absolute deviation
+    int64_t mean;    // digests: 0 the channel-wise min and max; 1 the mean -/+ the mean absolute deviation;
+                     // 2 the mean alone (lo and hi may be one buffer)
 };
 
 int form_blocks(const Forming& s) {
@@ -208,14 +209,17 @@ int form_blocks(const Forming& s) {
                         __m256 sum = low;
                         for (int64_t t = 1; t < B; ++t) sum = _mm256_add_ps(sum, _mm256_loadu_ps(k + t * D + d));
                         const __m256 centre = _mm256_div_ps(sum, count);
-                        __m256 spread = _mm256_andnot_ps(sign, _mm256_sub_ps(low, centre));
-                        for (int64_t t = 1; t < B; ++t) {
-                            const __m256 x = _mm256_loadu_ps(k + t * D + d);
-                            spread = _mm256_add_ps(spread, _mm256_andnot_ps(sign, _mm256_sub_ps(x, centre)));
+                        low = high = centre;
+                        if (s.mean == 1) {  // -/+ the mean absolute deviation
+                            __m256 spread = _mm256_andnot_ps(sign, _mm256_sub_ps(_mm256_loadu_ps(k + d), centre));
+                            for (int64_t t = 1; t < B; ++t) {
+                                const __m256 x = _mm256_loadu_ps(k + t * D + d);
+                                spread = _mm256_add_ps(spread, _mm256_andnot_ps(sign, _mm256_sub_ps(x, centre)));
+                            }
+                            spread = _mm256_div_ps(spread, count);
+                            low = _mm256_sub_ps(centre, spread);
+                            high = _mm256_add_ps(centre, spread);
                         }
-                        spread = _mm256_div_ps(spread, count);
-                        low = _mm256_sub_ps(centre, spread);
-                        high = _mm256_add_ps(centre, spread);
                     } else {
                         for (int64_t t = 1; t < B; ++t) {
                             const __m256 x = _mm256_loadu_ps(k + t * D + d);

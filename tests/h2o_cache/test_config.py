@@ -40,7 +40,7 @@ def test_full_never_evicts_or_rolls():
         ({"prefill_chunk": 0}, "prefill_chunk must be >= 1"),
         ({"recall_budget": 16, "recall_queries": 0}, "recall_queries must be >= 1 or None"),
         ({"recall_budget": 16, "recall_span": -1}, "recall_span must be >= 0"),
-        ({"recall_budget": 16, "recall_digest": "median"}, "recall_digest must be 'mean' or 'minmax', got 'median'"),
+        ({"recall_budget": 16, "recall_digest": "median"}, "recall_digest must be 'centre' or 'mean' or 'minmax', got 'median'"),
         ({"recall_budget": 16, "recall_positions": "true"}, "recall_positions must be 'text' or 'rank', got 'true'"),
     ],
 )

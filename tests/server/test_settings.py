@@ -63,7 +63,8 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     config = parse("--recall-queries", "16", "--recall-ahead").cache_config()
     assert (config.recall_queries, config.recall_ahead) == (16, True)
     assert parse("--recall-voters", "3").cache_config().recall_voters == 3
-    assert parse().cache_config().recall_digest == "mean"
+    assert parse().cache_config().recall_digest == "centre"
+    assert parse("--recall-digest", "mean").cache_config().recall_digest == "mean"
     assert parse("--recall-digest", "minmax").cache_config().recall_digest == "minmax"
     # ranks for a reply's first 32 steps on the CPU; the text layout on a GPU unless told
     assert (parse().cache_config().recall_positions, parse().cache_config().recall_rank_steps) == ("rank", 32)
