@@ -28,7 +28,10 @@ def bound_mass(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scalin
     """queries [L, H, Q, D] fp32 before RoPE (the queries that share each KV head); lo, hi [L, H, N, D]
     digests of N blocks (an archive's are fp16, widened exactly). Returns [L, H, N] fp32: per query the
     softmax over blocks of the box's best corner, sum_d max(q_d lo_d, q_d hi_d) * scaling (for min and
-    max digests, the upper bound of q.k * scaling up to their rounding), summed over the queries."""
+    max digests, the upper bound of q.k * scaling up to their rounding), summed over the queries.
+    Digests of no width (lo and hi one storage, "centre") score q . centre, one product."""
+    if lo.data_ptr() == hi.data_ptr() and lo.shape == hi.shape and lo.stride() == hi.stride():
+        return (torch.matmul(queries, lo.float().transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2)
     lo, hi = lo.float(), hi.float()
     bound = torch.matmul(queries.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(queries.clamp(max=0), lo.transpose(-1, -2))
     return (bound * scaling).softmax(dim=-1).sum(dim=2)

@@ -51,7 +51,7 @@ def sync(gen: Generator) -> None:
 def decoder_of(gen: Generator, config: CacheConfig, history: H2OCache, turn: list[int], batch: int,
                warmup: int) -> StaticDecoder:
     """A fast-path decoder of `batch` rows that each consumed `history` and then `turn`, warmed up by
-    `warmup` steps (>= slack: one eviction)."""
+    `warmup` steps (>= slack: one eviction; 0: none, the burst after the turn still ahead)."""
     decoder = StaticDecoder(gen.model, config, batch)
     for _ in range(batch):
         row = gen.new_cache(0, config)
@@ -59,7 +59,8 @@ def decoder_of(gen: Generator, config: CacheConfig, history: H2OCache, turn: lis
         logits = gen.prefill(row, [turn], recall=True)
         row.pending = [[int(logits[0].argmax())]]
         decoder.cache.extend(row, move=True)
-    greedy_step_seconds(decoder.step, decoder.cache, warmup)
+    if warmup:
+        greedy_step_seconds(decoder.step, decoder.cache, warmup)
     return decoder
 
 

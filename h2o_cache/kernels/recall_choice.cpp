@@ -5,8 +5,9 @@
 // Per layer and KV head (threads split the heads; every head's result is computed alone, in a fixed
 // order, so it does not depend on the thread count):
 //   1. bound: for each of the head's G queries, softmax over its N full blocks of the digests' upper
-//      bound of q.k * scaling, sum_d max(q_d lo_d, q_d hi_d) (= q+ . hi + q- . lo), summed over the
-//      queries; the `candidates` blocks of most mass (ties: the lower block first).
+//      bound of q.k * scaling, sum_d max(q_d lo_d, q_d hi_d) (= q+ . hi + q- . lo; q . centre where
+//      lo and hi are one buffer, the "centre" digest), summed over the queries; the `candidates`
+//      blocks of most mass (ties: the lower block first).
 //   2. exact: softmax over the candidates' keys (their fp16 copies, `Archive`) of q.k * scaling,
 //      summed over the queries: each candidate key's attention mass. Where every block is a candidate,
 //      stage 1 is skipped (it could only rank them).
@@ -687,22 +688,6 @@ int64_t load_queries(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scra
     return padded;
 }
 
-// Stage 1 for queries g0 .. g1 of one head: mass[n] += each query's softmax over the N blocks of the
-// digests' bound (mass: N floats, not cleared).
-void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& s, float* mass) {
-    const int64_t N = c.blocks, D = c.dim, G = g1 - g0;
-    const int64_t padded = load_queries(c, head, g0, g1, s);
-    const float* positive = s.queries.data() + padded * D;
-    const float* negative = positive + padded * D;
-    const uint16_t* lo = c.lo + head * c.digest_capacity * D;
-    const uint16_t* hi = c.hi + head * c.digest_capacity * D;
-    s.logits.resize(padded * N);
-    float* logits = s.logits.data();
-    score_items(G, N, N, logits, [&](int64_t g, int64_t n) {
-        return bound4(lo + n * D, hi + n * D, positive + g * D, negative + g * D, D);
-    });
-    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * N, N, static_cast<float>(c.scaling), mass);
-}
 
 // logits[g * stride + j] <- q[g] . key j for queries g < W (rows of d floats) and the 4 keys at[0..3]
 // (d 16-bit values each, widened exactly to fp32; d a multiple of 8): one pass over the 4 keys, each
@@ -761,6 +746,28 @@ template <class Key>
 void key_logits(const float* q, int64_t G, int64_t D, int64_t K, Key key, bool bf16, float* logits) {
     if (bf16) dot_keys<true>(q, G, D, K, key, logits);
     else dot_keys<false>(q, G, D, K, key, logits);
+}
+
+// Stage 1 for queries g0 .. g1 of one head: mass[n] += each query's softmax over the N blocks of the
+// digests' bound (mass: N floats, not cleared). Digests of no width (lo and hi one buffer: "centre")
+// score q . centre, the exact stage's products with the centres for keys: half the arithmetic of the
+// box's two products, and no padding query.
+void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& s, float* mass) {
+    const int64_t N = c.blocks, D = c.dim, G = g1 - g0;
+    const int64_t padded = load_queries(c, head, g0, g1, s);
+    const float* positive = s.queries.data() + padded * D;
+    const float* negative = positive + padded * D;
+    const uint16_t* lo = c.lo + head * c.digest_capacity * D;
+    const uint16_t* hi = c.hi + head * c.digest_capacity * D;
+    s.logits.resize(padded * N);
+    float* logits = s.logits.data();
+    if (c.lo == c.hi)
+        key_logits(s.queries.data(), G, D, N, [&](int64_t n) { return lo + n * D; }, false, logits);
+    else
+        score_items(G, N, N, logits, [&](int64_t g, int64_t n) {
+            return bound4(lo + n * D, hi + n * D, positive + g * D, negative + g * D, D);
+        });
+    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * N, N, static_cast<float>(c.scaling), mass);
 }
 
 // Stage 2 for queries g0 .. g1 of one head: mass[k] <- each query's softmax over the K candidate keys

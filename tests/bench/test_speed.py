@@ -133,3 +133,17 @@ def test_recall_speed_times_the_prefill_alone_with_no_decode_repetitions_and_ref
     with pytest.raises(SystemExit):
         recall_speed.main(["--model", str(tmp_path), "--reps", "0", "--prefill-reps", "0"])
     assert "one of them must be at least 1" in capsys.readouterr().err
+
+
+def test_flat_times_replies_at_each_history_with_ratios_to_the_shortest(tmp_path, capsys):
+    from h2o_cache.bench import flat, random_model
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    flat.main(["--model", str(tmp_path), "--text", "random", "--budget", "32", "--recall", "16",
+               "--histories", "150", "60", "--turn", "8", "--reply", "6", "--reps", "2", "--digests", "mean", "centre"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| recall")]
+    assert [(row[0], row[1]) for row in rows] == [
+        ("| recall off", "60"), ("| recall off", "150"), ("| recall 16, digest centre (default)", "60"),
+        ("| recall 16, digest centre (default)", "150"), ("| recall 16, digest mean", "60"), ("| recall 16, digest mean", "150")]
+    assert [row[2] for row in rows] == ["0", "0", "30", "120", "30", "120"]  # archived: the history less the target (30)
+    assert all(float(row[3]) > 0 for row in rows) and [float(row[4].rstrip(" |")) for row in rows[::2]] == [1.0] * 3

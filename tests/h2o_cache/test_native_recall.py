@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from h2o_cache import Generator, SamplingParams, native_recall, recall
+from h2o_cache.archive import CANDIDATES
 from h2o_cache.recall import text_positions
 from h2o_cache.quantized import kernel
 from tests.conftest import ByteTokenizer, tiny_llama
@@ -17,13 +18,14 @@ from tests.h2o_cache.test_recall import assert_window_holds_archive_tokens, rand
 
 
 def conversation(model, **overrides):
-    """A 1-row cache that consumed a long conversation: its archive holds many more blocks than the
-    window's candidates, so every stage of the choice runs."""
+    """A 1-row cache that consumed a long conversation: its archive holds more blocks than the
+    window's candidates (CANDIDATES per block it takes), so every stage of the choice runs, the
+    digests' bound included."""
     gen = Generator(model, ByteTokenizer())
-    cache = gen.new_cache(1, recall_config(**overrides))
-    gen.prefill(cache, [random_tokens(220, seed=4)], recall=True)
+    cache = gen.new_cache(1, recall_config(**{"recall_archive": 512, **overrides}))
+    gen.prefill(cache, [random_tokens(420, seed=4)], recall=True)
     archive = cache.archives[0]
-    assert archive.full_blocks > 4 * cache.recalled[0] // archive.block
+    assert archive.full_blocks > CANDIDATES * cache.recalled[0] // archive.block
     return gen, cache
 
 
@@ -51,16 +53,19 @@ def assert_same_windows(model, kernel, torch_ops):
     assert_window_holds_archive_tokens(model, kernel, 0)
 
 
-@pytest.mark.parametrize("heads, kv_heads, span, hidden, block", [
-    (4, 2, 4, 64, 4), (8, 1, 0, 64, 4), (4, 4, 3, 64, 4), (8, 2, 40, 64, 4), (6, 2, 4, 96, 4), (5, 1, 2, 80, 3)])
-def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span, hidden, block):
+@pytest.mark.parametrize("heads, kv_heads, span, hidden, block, digest", [
+    (4, 2, 4, 64, 4, "centre"), (8, 1, 0, 64, 4, "centre"), (4, 4, 3, 64, 4, "centre"), (8, 2, 40, 64, 4, "centre"),
+    (6, 2, 4, 96, 4, "centre"), (5, 1, 2, 80, 3, "centre"), (4, 2, 4, 64, 4, "mean"), (6, 2, 4, 96, 4, "minmax")])
+def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span, hidden, block, digest):
     """Query groups of 2, 8 (passes of 3, 3 and 2 queries), 1, 3 (the default model's) and 5 (3 and 2);
     spans 0 to 40; blocks of 3 tokens (a head's candidate keys not a multiple of 4: the last ones
-    scored apart). Queries: the row's own, then ever noisier ones, each choice starting from the
-    window the last one left; every other choice reads its row's queries in place from a buffer of 3
-    rows (`Choice.query_layer_stride`), as a batch's choices do."""
+    scored apart); the digests of no width (q . centre) and the boxes (their best corner). Queries:
+    the row's own, then ever noisier ones, each choice starting from the window the last one left;
+    every other choice reads its row's queries in place from a buffer of 3 rows
+    (`Choice.query_layer_stride`), as a batch's choices do."""
     model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3, hidden=hidden)
-    gen, cache = conversation(model, recall_span=span, recall_block=block, recall_budget=16 if block == 4 else 15)
+    gen, cache = conversation(model, recall_span=span, recall_block=block, recall_budget=16 if block == 4 else 15,
+                              recall_digest=digest)
     if not native_recall.supports(cache):
         pytest.skip("no C++ compiler: the recall kernel is not built")
     kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)

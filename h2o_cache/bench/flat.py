@@ -1,0 +1,94 @@
+"""Does a reply cost the same per token however long the conversation behind it? Side by side in one
+run, at several history lengths: the server's decode of whole replies, burst and all.
+
+Each configuration's row first consumes `--histories` tokens of a text (its archive then holds the
+history less the budget, up to `--recall-archive`); then, every repetition, a fresh batch-1 decoder
+takes a copy of it, prefills a `--turn`-token prompt as a turn (its last tokens choose the window, and
+the reply's first `recall_burst` steps choose with every layer's votes, as the server's do) and decodes
+`--reply` greedy steps on the fast path (`StaticDecoder`), timed; the configurations and histories are
+interleaved, `--reps` times. Printed: the median time per token of a reply at each history, and its
+ratio to the shortest history's (a flat cost: ratios near 1). Recall off (h2o alone at the same
+budget) is the reference, flat by construction; `--digests` adds a recall configuration per block
+digest (`CacheConfig.recall_digest`) beside the default.
+
+    python -m h2o_cache.bench.flat --histories 2048 8192 16000 --digests mean
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+
+import torch
+
+from h2o_cache import CacheConfig, Generator
+from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table, read_text
+from h2o_cache.bench.recall_speed import conversation_row, decoder_of
+from h2o_cache.bench.speed import greedy_step_seconds
+from h2o_cache.config import DIGESTS
+
+
+def reply_seconds(gen: Generator, config: CacheConfig, history, turn: list[int], steps: int) -> float:
+    """Mean seconds per token of one reply: a batch-1 decoder on a copy of `history` takes `turn` as a
+    prompt and decodes `steps` greedy tokens (only the decoding is timed)."""
+    decoder = decoder_of(gen, config, history, turn, 1, 0)
+    return greedy_step_seconds(decoder.step, decoder.cache, steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--histories", type=int, nargs="+", default=[2048, 8192, 16000],
+                        help="tokens of conversation behind the timed replies")
+    parser.add_argument("--text", default=str(data_path("botchan.txt")),
+                        help="the conversation's text ('random': random tokens)")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--recall", type=int, default=128, help="recall budget (tokens per layer/KV head)")
+    parser.add_argument("--turn", type=int, default=64, help="tokens of each reply's prompt")
+    parser.add_argument("--reply", type=int, default=64, help="decode steps timed per reply")
+    parser.add_argument("--reps", type=int, default=5, help="replies per configuration and history")
+    parser.add_argument("--digests", nargs="*", default=[], choices=DIGESTS,
+                        help="also time recall with these block digests")
+    add_model_args(parser)
+    args = parser.parse_args(argv)
+    histories = sorted(set(args.histories))
+    if args.reps < 1 or args.reply < 1 or args.turn < 1 or histories[0] < 1:
+        parser.error("--reps, --reply, --turn and --histories must be positive")
+
+    model, tokenizer = load(args)
+    gen = Generator(model, tokenizer)
+    needed = histories[-1] + args.turn * args.reps
+    if args.text == "random":
+        vocab = model.config.vocab_size
+        tokens = torch.randint(3, vocab, (needed,), generator=torch.Generator().manual_seed(0)).tolist()
+    else:
+        tokens = tokenizer(read_text(args.text))["input_ids"]
+    if len(tokens) < needed:
+        parser.error(f"--text holds {len(tokens)} tokens: fewer than the longest history and the turns ({needed})")
+    recall = CacheConfig(budget=args.budget, recall_budget=args.recall)
+    configs = {"recall off": CacheConfig(budget=args.budget),
+               f"recall {args.recall}, digest {recall.recall_digest} (default)": recall}
+    for digest in args.digests:
+        if digest != recall.recall_digest:
+            configs[f"recall {args.recall}, digest {digest}"] = replace(recall, recall_digest=digest)
+    rows = {(name, n): conversation_row(gen, config, tokens[:n]) for name, config in configs.items() for n in histories}
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
+    for rep in range(args.reps):
+        turn = tokens[histories[-1] + rep * args.turn:histories[-1] + (rep + 1) * args.turn]  # new words each reply
+        for (name, n), row in rows.items():
+            times[name, n].append(reply_seconds(gen, configs[name], row, turn, args.reply))
+    table = []
+    for name in configs:
+        first = statistics.median(times[name, histories[0]])
+        for n in histories:
+            archived = len(rows[name, n].archives[0]) if rows[name, n].archives[0] is not None else 0
+            median = statistics.median(times[name, n])
+            table.append([name, n, archived, 1e3 * median, median / first])
+    print(markdown_table(
+        ["", "history, tokens", "archived per layer/head", "ms per token of a reply", f"/ at {histories[0]}"], table,
+        f"Time per token of a {args.reply}-token reply to a {args.turn}-token turn, batch 1, medians of {args.reps} "
+        f"interleaved replies: {args.threads} threads, {gen.spec.device.type}, budget {args.budget}, text {args.text}"))
+
+
+if __name__ == "__main__":
+    main()
