@@ -3,7 +3,8 @@
 A choice first ranks the archive's blocks by their digests (`Archive.select`: the box [lo, hi] per
 channel, scored by its corner best aligned with the query) and reads the exact logits of the best
 blocks' keys only, so a token whose block the digest ranks low cannot come back. For every digest of
-`config.DIGESTS` ("mean": ArkVale's centre -/+ mean deviation; "minmax": Quest's min and max) and
+`config.DIGESTS` ("centre": the keys' mean; "mean": ArkVale's centre -/+ mean deviation; "minmax": Quest's
+min and max) and
 block size, this measures, on decode queries of a long text:
 
 - recall: of each layer and KV head's 128 archived tokens of most attention (its own queries' softmax

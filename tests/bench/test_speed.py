@@ -110,8 +110,8 @@ def test_the_digests_bench_scores_every_digest_and_block_on_a_random_model(tmp_p
     digests.main(["--model", str(tmp_path), "--text", str(text), "--budget", "32", "--recall", "16",
                   "--history", "400", "--steps", "2", "--offsets", "0", "5000", "--candidates", "64", "128"])
     out = capsys.readouterr().out
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| mean |", "| minmax |"))]
-    assert [(row[0], row[1]) for row in rows] == [(f"| {kind}", str(block)) for kind in ("mean", "minmax")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| centre |", "| mean |", "| minmax |"))]
+    assert [(row[0], row[1]) for row in rows] == [(f"| {kind}", str(block)) for kind in ("centre", "mean", "minmax")
                                                   for block in (8, 16, 32)]
     for row in rows:
         (r64, m64), (r128, m128) = (tuple(float(x) for x in cell.strip(" |").split(" / ")) for cell in row[2:])

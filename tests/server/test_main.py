@@ -18,7 +18,7 @@ def test_an_inconsistent_budget_exits_before_loading(capsys):
     (["--policy", "full", "--recall-budget", "64"], "recall needs an evicting policy"),
     (["--recall-budget", "20"], "must be a multiple of recall_block"),  # blocks of 8
     (["--recall-budget", "64", "--recall-archive", "32"], "must hold at least recall_budget"),
-    (["--recall-digest", "median"], "--recall-digest: Input should be 'mean' or 'minmax' (got 'median')"),
+    (["--recall-digest", "median"], "--recall-digest: Input should be 'centre', 'mean' or 'minmax' (got 'median')"),
     (["--device", "tpu"], "--device: Input should be 'auto', 'cpu' or 'cuda' (got 'tpu')"),
     (["--kv-budget", "0"], "--kv-budget: Input should be greater than or equal to 2"),
 ])
