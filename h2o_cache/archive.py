@@ -430,7 +430,7 @@ class _Forming(ctypes.Structure):
                 + [("fp16", ctypes.c_int64), ("mean", ctypes.c_int64)])
 
 
-def block_digests(keys: torch.Tensor, digest: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+def block_digests(keys: torch.Tensor, digest: str = CacheConfig.recall_digest) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [..., blocks, block, D] fp32. Returns the blocks' digests lo, hi [..., blocks, D] (`DIGESTS`):
     "centre", per channel the keys' mean, as both lo and hi; "mean", that mean -/+ the keys' mean
     absolute deviation; each sum taken in token order (as `kernels/compaction.cpp` sums them, so both

@@ -688,7 +688,6 @@ int64_t load_queries(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scra
     return padded;
 }
 
-
 // logits[g * stride + j] <- q[g] . key j for queries g < W (rows of d floats) and the 4 keys at[0..3]
 // (d 16-bit values each, widened exactly to fp32; d a multiple of 8): one pass over the 4 keys, each
 // widened once for the W queries, W x 4 accumulators (W <= 3: they and a key fit the 16 registers).
