@@ -96,6 +96,7 @@ class Archive:
         self._lo = self._hi = self._half = None
         self._digested = 0  # blocks whose digests are computed
         self._incoming: list[tuple[int, tuple[torch.Tensor | None, ...], torch.cuda.Event | None]] = []
+        self._sweep: Sweep | None = None
 
     def _ranks_copies(self) -> bool:
         """Whether full blocks keep fp16 copies of their keys for ranking (an fp32 archive), rather
@@ -213,6 +214,23 @@ class Archive:
 
     # ----- recall ----------------------------------------------------------------------------
 
+    def sweep(self, candidates: int) -> Sweep:
+        """The running candidates of this archive's decode choices, `candidates` blocks per head: the
+        same object while that count stays (the kernel's kept `Choice`s point into it), emptied where
+        the blocks were renumbered since (`epoch`)."""
+        state = self._sweep
+        if state is None or state.candidates.shape[-1] != candidates:
+            state = self._sweep = Sweep(*self.shape, candidates)
+        elif state.epoch != self.epoch:
+            state.reset()
+        state.epoch = self.epoch
+        return state
+
+    def forget_sweep(self) -> None:
+        """Empty the running candidates: the next decode choice ranks every block (a new prompt's)."""
+        if self._sweep is not None:
+            self._sweep.reset()
+
     def _digests(self) -> tuple[torch.Tensor, torch.Tensor]:
         """lo, hi: [L, H_kv, full blocks, D] fp16, computed for the blocks completed since last
         time (and their keys in fp16), once the tokens not yet in a digested block are sorted by origin."""
@@ -266,7 +284,7 @@ class Archive:
     def select(self, queries: torch.Tensor, scaling: float, tokens: int, layers: slice = slice(None),
                everywhere: bool = False, per_layer: bool = False,
                span: int = CacheConfig.recall_span, voters: list[int] | None = None,
-               held: torch.Tensor | None = None, margin: float = 0.0) -> torch.Tensor:
+               held: torch.Tensor | None = None, margin: float = 0.0, sweep: int = 0) -> torch.Tensor:
         """The `tokens` archived tokens (whole blocks but with `everywhere`) each KV head of `layers`
         would attend to most, for `queries`.
 
@@ -287,6 +305,10 @@ class Archive:
         `voters` (with `everywhere`, layers all): only the heads of these layers vote.
         `held` (with `everywhere`): [L', H_kv, r] the tokens each head's window holds (-1: unknown),
         ranked with their votes times 1 + `margin` (`CacheConfig.recall_margin`).
+        `sweep` (with `everywhere`, layers all; `CacheConfig.recall_sweep`): a voting head that kept
+        its candidates from the last such choice (`Sweep`) ranks by the bound only those and the
+        `sweep` blocks from the sweep's cursor on, not every block; the candidates are kept, the
+        cursor moves on.
         Returns [L', H_kv, tokens] int64 token indices (of the storage, within full blocks),
         ascending; tokens <= full_blocks * block, a multiple of block.
         """
@@ -296,11 +318,21 @@ class Archive:
         # than the digests and the candidates' keys up at every choice
         q = queries.float().cpu()
         full_blocks = lo.shape[2]
+        state = self.sweep(CANDIDATES * blocks) if sweep and everywhere and layers == slice(None) else None
+        voting = slice(None) if voters is None else voters
         if CANDIDATES * blocks >= full_blocks:  # every block a candidate, in order: the bound could only rank them
             candidates = torch.arange(full_blocks).expand(*q.shape[:2], full_blocks)
+            if state is not None:
+                state.counts[voting] = 0
         else:
-            mass = bound_mass(q, lo[layers], hi[layers], scaling)  # [L', H_kv, full blocks]
-            candidates = top_blocks(mass, CANDIDATES * blocks)
+            wanted = CANDIDATES * blocks
+            scanned = None
+            if state is not None and wanted + sweep < full_blocks:
+                scanned = state.scanned(sweep, full_blocks)
+            mass = bound_mass(q, lo[layers], hi[layers], scaling, scanned)  # [L', H_kv, full blocks]
+            candidates = top_blocks(mass, wanted)
+            if state is not None:
+                state.keep(candidates, voting, sweep, full_blocks, scanned is None)
         if candidates.shape[-1] > blocks:
             origins, = self.gather(candidates, layers, ("origins",))  # [L', H_kv, wanted * block]
             ranked = self._half if self._ranks_copies() else self._data["keys"]  # 16-bit keys
@@ -386,6 +418,53 @@ class Archive:
         self.append(*(state[name] for name in _FIELDS))
         if "blocked" in state and self.stored:
             self._digest(0, int(state["blocked"][0]))
+
+
+class Sweep:
+    """A row's decode choices' running candidates (`CacheConfig.recall_sweep`), which the kernel
+    (`Choice.kept`) and `Archive.select` read and write alike: per layer and KV head the candidate
+    blocks of its last choice and of its last choice that ranked every block (a reply's first, by its
+    question), ascending, their count (`candidates` where a head kept them, else 0: its next choice
+    ranks every block), and the cursor of the stripe of blocks the next choice ranks beside them. A
+    choice over a 16k-token archive then ranks at most 512 + `sweep` blocks by their digests, not 2,048
+    (~256 + `sweep`: the two sets are mostly the same), and the whole archive is ranked every
+    2,048 / `sweep` choices: a decode choice's cost stops growing with the archive. A new prompt
+    empties it (`Archive.forget_sweep`): the first choice of a reply ranks every block by the
+    question's queries, and the blocks it takes stay candidates for the whole reply."""
+
+    __slots__ = ("candidates", "question", "counts", "cursor", "epoch")
+
+    def __init__(self, layers: int, heads: int, candidates: int):
+        self.candidates = torch.zeros(layers, heads, candidates, dtype=torch.int64)
+        self.question = torch.zeros(layers, heads, candidates, dtype=torch.int64)
+        self.counts = torch.zeros(layers, heads, dtype=torch.int64)
+        self.cursor = torch.zeros(1, dtype=torch.int64)
+        self.epoch = 0
+
+    def reset(self) -> None:
+        self.counts.zero_()
+        self.cursor.zero_()
+
+    def scanned(self, sweep: int, blocks: int) -> torch.Tensor:
+        """[L, H, blocks] bool: the blocks each head ranks, its kept candidates, its question's and the
+        stripe of `sweep` blocks from the cursor on (every block for a head that kept none)."""
+        mask = torch.zeros(*self.counts.shape, blocks, dtype=torch.bool)
+        stripe = (int(self.cursor[0]) % blocks + torch.arange(sweep)) % blocks
+        mask[..., stripe] = True
+        mask.scatter_(2, self.candidates, True)
+        mask.scatter_(2, self.question, True)
+        return mask | (self.counts != self.candidates.shape[-1])[..., None]
+
+    def keep(self, candidates: torch.Tensor, voting: slice | list[int], sweep: int, blocks: int, every: bool) -> None:
+        """Keep the voting heads' `candidates` ([L, H, C]), as their question's too where they ranked
+        every block (all of them where `every`), and move the cursor on by `sweep`."""
+        ranked = candidates.sort(dim=-1).values
+        every = torch.ones_like(self.counts, dtype=torch.bool) if every else self.counts != candidates.shape[-1]
+        every = every[..., None]
+        self.question[voting] = torch.where(every, ranked, self.question)[voting]
+        self.candidates[voting] = ranked[voting]
+        self.counts[voting] = candidates.shape[-1]
+        self.cursor[0] = (int(self.cursor[0]) % blocks + sweep) % blocks
 
 
 # `Forming.mean` of each digest (`kernels/compaction.cpp`)

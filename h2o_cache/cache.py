@@ -347,6 +347,8 @@ class H2OCache:
             for row, n in enumerate(n_new):
                 if n == 1:
                     self.ahead[row] = None
+                if n > 1 and self.archives[row] is not None:  # a new prompt: its reply's first choice ranks all
+                    self.archives[row].forget_sweep()
                 if n:
                     self.decoded[row] = self.decoded[row] + 1 if n == 1 else 0
                     k = self.decoded[row]

@@ -64,6 +64,11 @@ class CacheConfig:
         holds with their votes times 1 + recall_margin, so a held token stays unless a token not held
         beats it by that margin: fewer of the window's slots are rewritten at each choice (0: by the
         votes alone; a burst's choices always go by the votes alone).
+    recall_sweep: a decode choice after a reply's first ranks by the digests only each voting head's
+        candidate blocks of its last choice, those of the reply's first choice (by its question) and the
+        next `recall_sweep` blocks of the archive in turn (`archive.Sweep`), not every block, so that its
+        cost stops growing with the archive; a reply's first choice ranks every block (0: every choice
+        does).
     recall_queries: most queries per query head of a prefill chunk that choose its window, evenly
         spaced and ending at the chunk's last token (None: all of them).
     recall_span: a decode step's choice takes each archived token by the votes of the positions
@@ -138,6 +143,9 @@ class CacheConfig:
     # query of a body chunk, RESULTS.md "Facts said once, the question's tail, every second query") a chunk's
     # choice 2/3 of the time, but a code said once in ~4k-token messages 21/36, not 26/36
     recall_queries: int | None = None
+    # measured (RESULTS.md, "A choice that stops growing with the archive"): pass keys at depths 75 / 90% of
+    # ~8k-token prompts 1.00 / 1.00 with 512 as with every block at every choice, 0.90 / 0.90 with 128
+    recall_sweep: int = 512
     recall_span: int = 4  # measured: 2k pass key at depth 15% 1.00 (whole blocks: 0.45)
     recall_ahead: bool = False  # measured: prefill 1.23x recall-off (16 queries), but 1k pass keys 0.85-0.90, not 1.00
     recall_choices: int | None = None
@@ -188,6 +196,8 @@ class CacheConfig:
                 raise ValueError(f"recall_margin must be >= 0, got {self.recall_margin}")
             if self.recall_queries is not None and self.recall_queries < 1:
                 raise ValueError(f"recall_queries must be >= 1 or None, got {self.recall_queries}")
+            if self.recall_sweep < 0:
+                raise ValueError(f"recall_sweep must be >= 0, got {self.recall_sweep}")
             if self.recall_span < 0:
                 raise ValueError(f"recall_span must be >= 0, got {self.recall_span}")
             if self.recall_choices is not None and self.recall_choices < 1:

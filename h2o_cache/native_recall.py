@@ -54,7 +54,9 @@ class _Choice(ctypes.Structure):
                    ("voters", ctypes.c_void_p), ("voter_layers", ctypes.c_int64), ("margin", ctypes.c_double),
                    ("query_layer_stride", ctypes.c_int64),
                    ("index", ctypes.c_void_p), ("index_rows", ctypes.c_int64), ("index_state", ctypes.c_void_p),
-                   ("total", ctypes.c_void_p)])
+                   ("total", ctypes.c_void_p),
+                   ("kept", ctypes.c_void_p), ("question", ctypes.c_void_p), ("kept_count", ctypes.c_void_p), ("sweep_cursor", ctypes.c_void_p),
+                   ("sweep", ctypes.c_int64)])
 
 
 class _Placement(ctypes.Structure):
@@ -231,7 +233,8 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
             or queries.stride()[1:] != (group * dim, dim, 1)):
         queries = queries.to(torch.float32).cpu().contiguous()
     cos, sin = cache.spec.rope.get(cache.lengths[row]) if window else (None, None)
-    sources = _sources(cache, row, storage, span, scaling, window, voters, queries.shape[2], cos, sin)
+    sweep = _sweep(cache, row) if indexed else None  # emptied here where the blocks were renumbered
+    sources = _sources(cache, row, storage, span, scaling, window, voters, queries.shape[2], cos, sin, sweep)
     kept = _prepared.setdefault(cache, {})
     entry = kept.get((row, first, end, window))
     if entry is not None and entry[0] != sources and _grown_only(entry[0], sources):
@@ -240,7 +243,7 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
         entry = kept[(row, first, end, window)] = (sources, *entry[1:])
     if entry is None or entry[0] != sources:
         entry = (sources, *_build(cache, row, storage, first, end, span, scaling, window, voters,
-                                  queries.shape[2], cos, sin))
+                                  queries.shape[2], cos, sin, sweep))
         kept[(row, first, end, window)] = entry
     _, choice, written, total, keep = entry
     choice.queries = queries.data_ptr()
@@ -372,8 +375,17 @@ def _index(cache, row: int, archive) -> PositionIndex:
 _indexes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _sweep(cache, row: int):
+    """The row's `archive.Sweep` for its decode choices (None: `recall_sweep` 0, every choice ranks every
+    block)."""
+    if not cache.config.recall_sweep:
+        return None
+    archive = cache.archives[row]
+    return archive.sweep(CANDIDATES * (cache.recalled[row] // archive.block))
+
+
 def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: bool, voters: list[int] | None,
-             group: int, cos, sin) -> tuple:
+             group: int, cos, sin, sweep=None) -> tuple:
     """What a row's `Choice` for given layers is built from, but its queries, length and margin: equal
     where the kept one holds (the layers are in the key it is kept under)."""
     archive = cache.archives[row]
@@ -382,7 +394,7 @@ def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: 
     fields = (id(archive), archive.full_blocks, cache.recalled[row], held.data_ptr(), held.shape[-1],
               *(storage[name].data_ptr() for name in ("keys", "values", "origins", "lo", "hi", "half")),
               storage["keys"].shape[2], storage["lo"].shape[2], span, scaling, group, torch.get_num_threads(),
-              None if voters is None else tuple(voters))
+              None if voters is None else tuple(voters), None if sweep is None else sweep.candidates.data_ptr())
     if window:
         buffers = cache.buffers()
         copy = cache.window_copy(current=False)
@@ -406,7 +418,7 @@ def _block_counts(archive, r: int) -> tuple[int, int]:
 
 
 def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scaling: float, window: bool,
-           voters: list[int] | None, group: int, cos, sin) -> tuple[_Choice, torch.Tensor, ctypes.Array, tuple]:
+           voters: list[int] | None, group: int, cos, sin, sweep=None) -> tuple[_Choice, torch.Tensor, ctypes.Array, tuple]:
     """A row's `Choice` (queries, length and margin unset), the counts it writes (and a ctypes view of
     them, read while `written` lives) and the tensors it reads."""
     r = cache.recalled[row]
@@ -432,6 +444,11 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         voting = torch.tensor(voters, dtype=torch.int64)
         keep += (voting,)
         fields |= dict(voters=voting.data_ptr(), voter_layers=len(voters))
+    if sweep is not None and first == 0 and end == archive.shape[0]:  # a decode choice's running candidates
+        keep += (sweep.candidates, sweep.question, sweep.counts, sweep.cursor)
+        fields |= dict(kept=sweep.candidates.data_ptr(), question=sweep.question.data_ptr(),
+                       kept_count=sweep.counts.data_ptr(),
+                       sweep_cursor=sweep.cursor.data_ptr(), sweep=cache.config.recall_sweep)
     if window:  # what the kernel copies the chosen tokens from and into
         cos, sin = cos.contiguous(), sin.contiguous()
         keep += (cos, sin)

@@ -237,7 +237,8 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                     margin = margins[row]
                     chosen = cache.archives[row].select(grouped, scaling, r, layers, everywhere, per_layer,
                                                         cache.config.recall_span, voters[row],
-                                                        held(cache, row)[layers] if margin else None, margin)
+                                                        held(cache, row)[layers] if margin else None, margin,
+                                                        cache.config.recall_sweep)
                     fill(cache, row, chosen, layers)
             if done is not None:
                 done.append(row)

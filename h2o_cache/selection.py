@@ -24,17 +24,25 @@ from __future__ import annotations
 import torch
 
 
-def bound_mass(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scaling: float) -> torch.Tensor:
+def bound_mass(queries: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scaling: float,
+               scanned: torch.Tensor | None = None) -> torch.Tensor:
     """queries [L, H, Q, D] fp32 before RoPE (the queries that share each KV head); lo, hi [L, H, N, D]
     digests of N blocks (an archive's are fp16, widened exactly). Returns [L, H, N] fp32: per query the
     softmax over blocks of the box's best corner, sum_d max(q_d lo_d, q_d hi_d) * scaling (for min and
     max digests, the upper bound of q.k * scaling up to their rounding), summed over the queries.
-    Digests of no width (lo and hi one storage, "centre") score q . centre, one product."""
+    Digests of no width (lo and hi one storage, "centre") score q . centre, one product.
+    scanned: [L, H, N] bool, the blocks each head ranks (`archive.Sweep`): the softmax runs over those
+    alone, and the others score -1, below any of them."""
     if lo.data_ptr() == hi.data_ptr() and lo.shape == hi.shape and lo.stride() == hi.stride():
-        return (torch.matmul(queries, lo.float().transpose(-1, -2)) * scaling).softmax(dim=-1).sum(dim=2)
-    lo, hi = lo.float(), hi.float()
-    bound = torch.matmul(queries.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(queries.clamp(max=0), lo.transpose(-1, -2))
-    return (bound * scaling).softmax(dim=-1).sum(dim=2)
+        logits = torch.matmul(queries, lo.float().transpose(-1, -2)) * scaling
+    else:
+        lo, hi = lo.float(), hi.float()
+        bound = torch.matmul(queries.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(queries.clamp(max=0), lo.transpose(-1, -2))
+        logits = bound * scaling
+    if scanned is None:
+        return logits.softmax(dim=-1).sum(dim=2)
+    mass = logits.masked_fill(~scanned[:, :, None], float("-inf")).softmax(dim=-1).sum(dim=2)
+    return mass.masked_fill(~scanned, -1.0)
 
 
 def token_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

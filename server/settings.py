@@ -134,6 +134,11 @@ class ServerSettings(BaseSettings):
         5, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
                                       "after --recall-burst: only their archived keys are read, and every layer takes "
                                       "its tokens by their votes (0: all layers)")
+    recall_sweep: int = Field(
+        512, ge=0, le=10_000_000, description="a reply's decode choices after its first rank by their digests only the "
+                                              "archived blocks each head chose last time and the next this many in "
+                                              "turn, so a choice costs the same at any archive size (0: every block, "
+                                              "every choice)")
     recall_choices: int | None = Field(
         None, ge=1, le=65536, description="most conversations that choose their recall window by their latest queries "
                                           "before one decode step; the others wait for the next (a reply's first choice, "
@@ -230,7 +235,8 @@ class ServerSettings(BaseSettings):
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,
-                           recall_overlap=self.recall_overlap, recall_margin=self.recall_margin)
+                           recall_overlap=self.recall_overlap, recall_margin=self.recall_margin,
+                           recall_sweep=self.recall_sweep)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

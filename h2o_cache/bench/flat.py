@@ -9,9 +9,10 @@ the reply's first `recall_burst` steps choose with every layer's votes, as the s
 interleaved, `--reps` times. Printed: the median time per token of a reply at each history, and its
 ratio to the shortest history's (a flat cost: ratios near 1). Recall off (h2o alone at the same
 budget) is the reference, flat by construction; `--digests` adds a recall configuration per block
-digest (`CacheConfig.recall_digest`) beside the default.
+digest (`CacheConfig.recall_digest`) beside the default, `--sweeps` one per stripe of the decode
+choices (`CacheConfig.recall_sweep`; 0: every choice ranks every block).
 
-    python -m h2o_cache.bench.flat --histories 2048 8192 16000 --digests mean
+    python -m h2o_cache.bench.flat --histories 2048 8192 16000 --digests mean --sweeps 0
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=5, help="replies per configuration and history")
     parser.add_argument("--digests", nargs="*", default=[], choices=DIGESTS,
                         help="also time recall with these block digests")
+    parser.add_argument("--sweeps", nargs="*", type=int, default=[],
+                        help="also time recall with these recall_sweep values (0: every block, every choice)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     histories = sorted(set(args.histories))
@@ -67,10 +70,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--text holds {len(tokens)} tokens: fewer than the longest history and the turns ({needed})")
     recall = CacheConfig(budget=args.budget, recall_budget=args.recall)
     configs = {"recall off": CacheConfig(budget=args.budget),
-               f"recall {args.recall}, digest {recall.recall_digest} (default)": recall}
+               f"recall {args.recall}, digest {recall.recall_digest}, sweep {recall.recall_sweep} (default)": recall}
     for digest in args.digests:
         if digest != recall.recall_digest:
             configs[f"recall {args.recall}, digest {digest}"] = replace(recall, recall_digest=digest)
+    for sweep in args.sweeps:
+        if sweep != recall.recall_sweep:
+            configs[f"recall {args.recall}, sweep {sweep}"] = replace(recall, recall_sweep=sweep)
     rows = {(name, n): conversation_row(gen, config, tokens[:n]) for name, config in configs.items() for n in histories}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
     for rep in range(args.reps):

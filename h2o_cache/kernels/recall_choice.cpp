@@ -7,7 +7,8 @@
 //   1. bound: for each of the head's G queries, softmax over its N full blocks of the digests' upper
 //      bound of q.k * scaling, sum_d max(q_d lo_d, q_d hi_d) (= q+ . hi + q- . lo; q . centre where
 //      lo and hi are one buffer, the "centre" digest), summed over the queries; the `candidates`
-//      blocks of most mass (ties: the lower block first).
+//      blocks of most mass (ties: the lower block first). With a sweep (`kept`), a head that kept its
+//      candidates ranks only those, its reply's first choice's and a stripe of `sweep` blocks in turn.
 //   2. exact: softmax over the candidates' keys (their fp16 copies, `Archive`) of q.k * scaling,
 //      summed over the queries: each candidate key's attention mass. Where every block is a candidate,
 //      stage 1 is skipped (it could only rank them).
@@ -80,6 +81,17 @@ struct Choice {
     int64_t index_rows;     // positions the index has rows for
     int64_t* index_state;   // [1]: tokens per head indexed so far (0: the index is to be cleared first)
     int64_t* total;         // nullable: [1] <- the slots the choice rewrote, all heads summed
+    // A decode choice's running candidates (`archive.Sweep`): where `kept` is given, each head's candidate
+    // blocks are written there (ascending) and counted in kept_count, and a choice that ranked every
+    // block also writes them into `question` (a reply's first choice: its question's); a head that kept
+    // `candidates` of them ranks, where `sweep` > 0, only those, the question's and the `sweep` blocks
+    // from *sweep_cursor on (modulo the blocks), not every block, and the cursor moves on by `sweep` after
+    // a choice that ranked by the bound.
+    int64_t* kept;          // nullable: [L, H, candidates] in/out
+    int64_t* question;      // [L, H, candidates] in/out
+    int64_t* kept_count;    // [L, H] in/out: 0 where a head keeps none (its next choice ranks every block)
+    int64_t* sweep_cursor;  // [1] in/out
+    int64_t sweep;
 };
 
 // The queries of `head` (layer * heads + h, of the call's layers): `group` rows of `dim` floats.
@@ -670,7 +682,7 @@ bool best_indexed(const Ranked& s, const std::vector<Marked>& order, const int32
 // Scratch of one thread: queries split into their parts, logits, masses, ranking keys.
 struct Scratch {
     std::vector<float> queries, logits, mass;
-    std::vector<int64_t> best;
+    std::vector<int64_t> best, scanned, both;
     std::vector<uint64_t> keys, passed;
 };
 
@@ -747,26 +759,53 @@ void key_logits(const float* q, int64_t G, int64_t D, int64_t K, Key key, bool b
     else dot_keys<false>(q, G, D, K, key, logits);
 }
 
-// Stage 1 for queries g0 .. g1 of one head: mass[n] += each query's softmax over the N blocks of the
-// digests' bound (mass: N floats, not cleared). Digests of no width (lo and hi one buffer: "centre")
-// score q . centre, the exact stage's products with the centres for keys: half the arithmetic of the
-// box's two products, and no padding query.
-void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, Scratch& s, float* mass) {
-    const int64_t N = c.blocks, D = c.dim, G = g1 - g0;
+// Stage 1 for queries g0 .. g1 of one head: mass[n] += each query's softmax over the M blocks at[0..M)
+// (null: the first M, in order) of the digests' bound (mass: M floats, not cleared). Digests of no width
+// (lo and hi one buffer: "centre") score q . centre, the exact stage's products with the centres for
+// keys: half the arithmetic of the box's two products, and no padding query.
+void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int64_t* at, int64_t M, Scratch& s,
+                float* mass) {
+    const int64_t D = c.dim, G = g1 - g0;
     const int64_t padded = load_queries(c, head, g0, g1, s);
     const float* positive = s.queries.data() + padded * D;
     const float* negative = positive + padded * D;
     const uint16_t* lo = c.lo + head * c.digest_capacity * D;
     const uint16_t* hi = c.hi + head * c.digest_capacity * D;
-    s.logits.resize(padded * N);
+    s.logits.resize(padded * M);
     float* logits = s.logits.data();
+    const auto block = [at](int64_t n) { return at ? at[n] : n; };
     if (c.lo == c.hi)
-        key_logits(s.queries.data(), G, D, N, [&](int64_t n) { return lo + n * D; }, false, logits);
+        key_logits(s.queries.data(), G, D, M, [&](int64_t n) { return lo + block(n) * D; }, false, logits);
     else
-        score_items(G, N, N, logits, [&](int64_t g, int64_t n) {
-            return bound4(lo + n * D, hi + n * D, positive + g * D, negative + g * D, D);
+        score_items(G, M, M, logits, [&](int64_t g, int64_t n) {
+            return bound4(lo + block(n) * D, hi + block(n) * D, positive + g * D, negative + g * D, D);
         });
-    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * N, N, static_cast<float>(c.scaling), mass);
+    for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * M, M, static_cast<float>(c.scaling), mass);
+}
+
+// The blocks a swept head ranks: its kept candidates and its question's (`kept`, `question`: C each,
+// ascending) and the `sweep` blocks from `cursor` on, modulo N, ascending and each once, into out (and
+// `both`, scratch). Returns their count.
+int64_t swept_blocks(const int64_t* kept, const int64_t* question, int64_t C, int64_t cursor, int64_t sweep,
+                     int64_t N, std::vector<int64_t>& both, std::vector<int64_t>& out) {
+    both.resize(2 * C);
+    const int64_t K = std::set_union(kept, kept + C, question, question + C, both.begin()) - both.begin();
+    // the stripe as one or two ascending runs: [0, wrap) and [cursor, end)
+    const int64_t end = std::min(cursor + sweep, N), wrap = cursor + sweep - end;
+    out.resize(K + sweep);
+    int64_t m = 0, i = 0;
+    const auto merge_run = [&](int64_t from, int64_t to) {
+        for (int64_t b = from; b < to; ++b) {
+            while (i < K && both[i] < b) out[m++] = both[i++];
+            if (i < K && both[i] == b) ++i;
+            out[m++] = b;
+        }
+    };
+    merge_run(0, wrap);
+    merge_run(cursor, end);
+    while (i < K) out[m++] = both[i++];
+    out.resize(m);
+    return m;
 }
 
 // Stage 2 for queries g0 .. g1 of one head: mass[k] <- each query's softmax over the K candidate keys
@@ -806,10 +845,26 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* positions_out
     if (C == N) {  // every block: the bound could only rank them
         load_queries(c, head, 0, c.group, s);
         std::iota(s.best.begin(), s.best.end(), 0);
+        if (c.kept) c.kept_count[head] = 0;  // nothing ranked: the next choice with fewer candidates ranks all
     } else {
-        s.mass.assign(N, 0.0f);
-        bound_part(c, head, 0, c.group, s, s.mass.data());
-        best_of(s.mass.data(), N, C, s.keys, s.passed, s.best.data());
+        int64_t* const kept = c.kept ? c.kept + head * C : nullptr;
+        if (kept && c.sweep > 0 && C + c.sweep < N && c.kept_count[head] == C) {  // kept candidates and a stripe
+            const int64_t M = swept_blocks(kept, c.question + head * C, C, *c.sweep_cursor % N, c.sweep, N, s.both,
+                                           s.scanned);
+            s.mass.assign(M, 0.0f);
+            bound_part(c, head, 0, c.group, s.scanned.data(), M, s, s.mass.data());
+            best_of(s.mass.data(), M, C, s.keys, s.passed, s.best.data());
+            for (int64_t j = 0; j < C; ++j) s.best[j] = s.scanned[s.best[j]];  // ascending still
+        } else {
+            s.mass.assign(N, 0.0f);
+            bound_part(c, head, 0, c.group, nullptr, N, s, s.mass.data());
+            best_of(s.mass.data(), N, C, s.keys, s.passed, s.best.data());
+            if (kept) std::copy(s.best.begin(), s.best.end(), c.question + head * C);  // every block ranked
+        }
+        if (kept) {
+            std::copy(s.best.begin(), s.best.end(), kept);
+            c.kept_count[head] = C;
+        }
     }
     const int64_t* const origins = c.origins + head * c.capacity;
     const int64_t mask = c.positions - 1;
@@ -953,6 +1008,8 @@ int choose(const Choice& c, int32_t* written) {
             for (int64_t i = 0; i < voters; ++i)
                 rank_head(c, voting[i], scratch, positions + voting[i] * K, mass + voting[i] * K);
         }
+        if (c.kept && c.sweep > 0 && c.candidates < c.blocks)  // the next stripe
+            *c.sweep_cursor = (*c.sweep_cursor % c.blocks + c.sweep) % c.blocks;
         // one thread, in head order: the votes' sums do not depend on the thread count. votes and
         // scores are zero between calls outside what a call writes, which it clears again.
         static thread_local std::vector<float> votes, scores;

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from h2o_cache import Generator
@@ -140,10 +141,27 @@ def test_flat_times_replies_at_each_history_with_ratios_to_the_shortest(tmp_path
 
     random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
     flat.main(["--model", str(tmp_path), "--text", "random", "--budget", "32", "--recall", "16",
-               "--histories", "150", "60", "--turn", "8", "--reply", "6", "--reps", "2", "--digests", "mean", "centre"])
+               "--histories", "150", "60", "--turn", "8", "--reply", "6", "--reps", "2", "--digests", "mean", "centre",
+               "--sweeps", "0"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| recall")]
+    default = "| recall 16, digest centre, sweep 512 (default)"
     assert [(row[0], row[1]) for row in rows] == [
-        ("| recall off", "60"), ("| recall off", "150"), ("| recall 16, digest centre (default)", "60"),
-        ("| recall 16, digest centre (default)", "150"), ("| recall 16, digest mean", "60"), ("| recall 16, digest mean", "150")]
-    assert [row[2] for row in rows] == ["0", "0", "30", "120", "30", "120"]  # archived: the history less the target (30)
-    assert all(float(row[3]) > 0 for row in rows) and [float(row[4].rstrip(" |")) for row in rows[::2]] == [1.0] * 3
+        ("| recall off", "60"), ("| recall off", "150"), (default, "60"), (default, "150"),
+        ("| recall 16, digest mean", "60"), ("| recall 16, digest mean", "150"),
+        ("| recall 16, sweep 0", "60"), ("| recall 16, sweep 0", "150")]
+    assert [row[2] for row in rows] == ["0", "0", "30", "120", "30", "120", "30", "120"]  # the history less the target (30)
+    assert all(float(row[3]) > 0 for row in rows) and [float(row[4].rstrip(" |")) for row in rows[::2]] == [1.0] * 4
+
+
+def test_choice_cost_times_the_choices_of_a_reply_at_each_history_and_sweep(tmp_path, capsys):
+    from h2o_cache.bench import choice_cost, random_model
+
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    choice_cost.main(["--model", str(tmp_path), "--text", "random", "--budget", "32", "--recall", "16",
+                      "--histories", "400", "120", "--sweeps", "0", "4", "--choices", "3", "--reps", "2"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1") or line.startswith("| 4")]
+    assert [(row[0], row[1], row[2]) for row in rows] == [("| 120", "90", "0"), ("| 120", "90", "4"),
+                                                         ("| 400", "370", "0"), ("| 400", "370", "4")]
+    assert all(float(row[3]) > 0 and float(row[4].rstrip(" |")) > 0 for row in rows)
+    with pytest.raises(SystemExit):
+        choice_cost.main(["--model", str(tmp_path), "--choices", "1"])

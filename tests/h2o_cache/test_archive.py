@@ -462,3 +462,52 @@ def test_digests_stay_finite_in_fp16_where_a_key_channel_passes_its_range(monkey
     assert hi.float().max() == 65504 and lo.float().min() == -65504
     mass = selection.bound_mass(torch.randn(L, H, 4, D), lo, hi, 0.3)
     assert torch.isfinite(mass).all()
+
+
+def test_a_swept_choice_ranks_its_kept_candidates_and_the_stripe_and_finds_the_rest_as_the_stripe_reaches_it():
+    """`recall_sweep`: after a choice that ranked every block, a head ranks only the candidates it kept,
+    those of that first choice (its question's) and the next `sweep` blocks in turn. A block the first query turned away from and the stripe has not
+    reached is not found, though a choice ranking every block finds it; it is found at the choice whose
+    stripe covers it, and stays while it ranks among the kept; an emptied sweep (a new prompt) ranks
+    every block again."""
+    gen = torch.Generator().manual_seed(7)
+    blocks, sweep, needle_block = 4 * CANDIDATES, 8, 40
+    n = 4 * blocks
+    keys = 0.1 * torch.randn(1, 2, n, D, generator=gen)
+    target = unit(3)
+    keys[0, :, 4 * needle_block:4 * needle_block + 4] = 4.0 * target
+    a = Archive(1, 2, D, torch.float32, block=4, limit=n)
+    a.append(keys, keys.clone(), None, torch.arange(n).expand(1, 2, n))
+    away, toward = (-target).expand(1, 2, 3, D), target.expand(1, 2, 3, D)
+    needle = torch.arange(4 * needle_block, 4 * needle_block + 4).expand(1, 2, 4)
+
+    first = a.select(away, 2.0, 4, everywhere=True, sweep=sweep)  # ranks every block: the cursor moves on
+    state = a._sweep
+    assert not (first == needle).all() and int(state.cursor) == sweep and (state.counts == CANDIDATES).all()
+    assert needle_block not in state.candidates
+    found = []
+    for choice in range(2, 8):  # stripes 8-15, 16-23, 24-31, 32-39, 40-47, 48-55
+        kept = state.candidates.clone()
+        cursor = int(state.cursor)
+        chosen = a.select(toward, 2.0, 4, everywhere=True, sweep=sweep)
+        stripe = set(range(cursor, cursor + sweep))
+        assert all(set(state.candidates[0, h].tolist()) <= set(kept[0, h].tolist()) | stripe
+                   | set(state.question[0, h].tolist()) for h in range(2))
+        found.append(bool(torch.equal(chosen, needle)))
+    assert found == [False, False, False, False, True, True]
+    every = Archive(1, 2, D, torch.float32, block=4, limit=n)
+    every.append(keys, keys.clone(), None, torch.arange(n).expand(1, 2, n))
+    every.select(away, 2.0, 4, everywhere=True)
+    assert torch.equal(every.select(toward, 2.0, 4, everywhere=True), needle)  # no sweep: found at once
+
+    a.select(away, 2.0, 4, everywhere=True, sweep=sweep)
+    a.select(away, 2.0, 4, everywhere=True, sweep=sweep)  # the needle out of the kept candidates again
+    assert needle_block not in state.candidates
+    a.forget_sweep()
+    assert torch.equal(a.select(toward, 2.0, 4, everywhere=True, sweep=sweep), needle)
+    # that choice ranked every block by its queries (a reply's first, by its question): the blocks it
+    # took stay candidates for the reply, and come back at once though the kept ones left them
+    a.select(away, 2.0, 4, everywhere=True, sweep=sweep)
+    a.select(away, 2.0, 4, everywhere=True, sweep=sweep)
+    assert needle_block not in state.candidates and needle_block in state.question
+    assert torch.equal(a.select(toward, 2.0, 4, everywhere=True, sweep=sweep), needle)

@@ -53,19 +53,22 @@ def assert_same_windows(model, kernel, torch_ops):
     assert_window_holds_archive_tokens(model, kernel, 0)
 
 
-@pytest.mark.parametrize("heads, kv_heads, span, hidden, block, digest", [
-    (4, 2, 4, 64, 4, "centre"), (8, 1, 0, 64, 4, "centre"), (4, 4, 3, 64, 4, "centre"), (8, 2, 40, 64, 4, "centre"),
-    (6, 2, 4, 96, 4, "centre"), (5, 1, 2, 80, 3, "centre"), (4, 2, 4, 64, 4, "mean"), (6, 2, 4, 96, 4, "minmax")])
-def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span, hidden, block, digest):
+@pytest.mark.parametrize("heads, kv_heads, span, hidden, block, digest, sweep", [
+    (4, 2, 4, 64, 4, "centre", 0), (8, 1, 0, 64, 4, "centre", 0), (4, 4, 3, 64, 4, "centre", 0),
+    (8, 2, 40, 64, 4, "centre", 0), (6, 2, 4, 96, 4, "centre", 0), (5, 1, 2, 80, 3, "centre", 0),
+    (4, 2, 4, 64, 4, "mean", 0), (6, 2, 4, 96, 4, "minmax", 0),
+    (4, 2, 4, 64, 4, "centre", 30), (5, 1, 2, 80, 3, "centre", 29), (6, 2, 4, 96, 4, "minmax", 31)])
+def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, span, hidden, block, digest, sweep):
     """Query groups of 2, 8 (passes of 3, 3 and 2 queries), 1, 3 (the default model's) and 5 (3 and 2);
     spans 0 to 40; blocks of 3 tokens (a head's candidate keys not a multiple of 4: the last ones
-    scored apart); the digests of no width (q . centre) and the boxes (their best corner). Queries:
-    the row's own, then ever noisier ones, each choice starting from the window the last one left;
-    every other choice reads its row's queries in place from a buffer of 3 rows
-    (`Choice.query_layer_stride`), as a batch's choices do."""
+    scored apart); the digests of no width (q . centre) and the boxes (their best corner); every block
+    ranked at every choice, or (`recall_sweep`) after the first only each head's kept candidates and a
+    stripe of a few blocks, the stripe wrapping around the archive. Queries: the row's own, then ever
+    noisier ones, each choice starting from the window the last one left; every other choice reads its
+    row's queries in place from a buffer of 3 rows (`Choice.query_layer_stride`), as a batch's choices do."""
     model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3, hidden=hidden)
     gen, cache = conversation(model, recall_span=span, recall_block=block, recall_budget=16 if block == 4 else 15,
-                              recall_digest=digest)
+                              recall_digest=digest, recall_sweep=sweep)
     if not native_recall.supports(cache):
         pytest.skip("no C++ compiler: the recall kernel is not built")
     kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
@@ -81,7 +84,20 @@ def test_the_kernel_chooses_and_copies_what_the_torch_ops_do(heads, kv_heads, sp
         for copy in (kernel, torch_ops):
             recall.refresh(copy, asked, copy.spec.scaling, [0])
         assert_same_windows(model, kernel, torch_ops)
+        if sweep:
+            assert_same_sweeps(kernel, torch_ops)
     assert kernel.recall_count[0] > 2 * kernel.recalled[0]  # the windows changed along the way
+    if sweep:  # the stripe went round the archive's blocks at least once
+        assert 5 * sweep > kernel.archives[0].full_blocks
+
+
+def assert_same_sweeps(kernel, torch_ops):
+    """Row 0's running candidates (`archive.Sweep`): the same blocks kept by the same heads, the same
+    question's candidates, the same cursor."""
+    a, b = kernel.archives[0]._sweep, torch_ops.archives[0]._sweep
+    assert torch.equal(a.counts, b.counts) and torch.equal(a.cursor, b.cursor)
+    kept = a.counts[..., None] > 0
+    assert torch.equal(a.candidates * kept, b.candidates * kept) and torch.equal(a.question * kept, b.question * kept)
 
 
 @pytest.mark.parametrize("margin", [0.1, 0.5])

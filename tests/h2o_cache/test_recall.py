@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from h2o_cache import CacheConfig, Generator, SamplingParams, StaticDecoder, native_recall, recall, selection
+from h2o_cache.archive import CANDIDATES
 from h2o_cache.quantized import kernel
 from h2o_cache.cache import BURST, FIRST, INTERVAL
 from h2o_cache.cache import _epochs as cache_epochs
@@ -1087,3 +1088,24 @@ def test_a_row_with_a_window_keeps_its_first_tokens_as_sinks(peaked_model, polic
     assert r > 0 and len(cache.archives[0]) > 100
     own = cache.buffers().origins[:, 0, :, r:n]
     assert torch.equal(own[..., :4], torch.arange(4).expand_as(own[..., :4]))
+
+
+def test_a_new_prompt_empties_the_rows_sweep_and_its_replys_first_choice_ranks_every_block():
+    """`recall_sweep`: the decode choices keep each head's candidates and move the stripe on; the next
+    prompt's prefill empties them, so its reply's first choice ranks every block (by the question),
+    and the choices after it keep candidates again."""
+    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3)
+    gen = Generator(model, ByteTokenizer())
+    cache = gen.new_cache(1, recall_config(recall_archive=512, recall_sweep=8))
+    gen.prefill(cache, [random_tokens(420, seed=4)], recall=True)
+    archive = cache.archives[0]
+    candidates = CANDIDATES * cache.recalled[0] // archive.block
+    assert archive.full_blocks > candidates + 8  # the bound ranks, and a stripe leaves blocks out
+    for token in random_tokens(3, seed=5):
+        gen.step(cache, [[token]])
+    state = archive._sweep
+    assert (state.counts == candidates).all() and int(state.cursor) > 0
+    gen.prefill(cache, [random_tokens(12, seed=6)], recall=True)
+    assert (state.counts == 0).all() and int(state.cursor) == 0
+    gen.step(cache, [[7]])  # ranks every block, keeps them, moves the stripe on by 8
+    assert (state.counts == candidates).all() and int(state.cursor) == 8
