@@ -38,19 +38,23 @@ def reply_queries(gen: Generator, config: CacheConfig, history, tokens: list[int
     return queries
 
 
-def choice_seconds(gen: Generator, config: CacheConfig, history, queries: list[torch.Tensor], after_burst: bool) -> list[float]:
-    """Seconds of each choice after the first, made by `queries` in turn on a copy of `history`."""
+def choice_seconds(gen: Generator, config: CacheConfig, history, queries: list[torch.Tensor],
+                   after_burst: bool) -> tuple[list[float], list[int]]:
+    """Seconds of each choice after the first, made by `queries` in turn on a copy of `history`, and the
+    window slots each rewrote (all layers and heads)."""
     row = gen.new_cache(0, config)
     row.extend(history)
     if row.archives[0] is not None:
         row.archives[0].forget_sweep()  # a new prompt's: the first choice ranks every block
     few = {0} if after_burst else set()
-    times = []
+    times, written = [], []
     for i, q in enumerate(queries):
+        before = row.recall_count[0]
         began = time.perf_counter()
         recall.refresh(row, q, row.spec.scaling, [0], few=few if i else set())
         times.append(time.perf_counter() - began)
-    return times[1:]
+        written.append(row.recall_count[0] - before)
+    return times[1:], written[1:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,20 +85,24 @@ def main(argv: list[str] | None = None) -> None:
     rows = {n: conversation_row(gen, base, tokens[:n]) for n in histories}
     queries = {n: reply_queries(gen, base, rows[n], tokens[n:n + args.choices]) for n in histories}
     times = {(n, sweep, kind): [] for n in histories for sweep in configs for kind in (False, True)}
+    written = {key: [] for key in times}
     for _ in range(args.reps):
         for n in histories:
             for after_burst in (False, True):
                 for sweep, config in configs.items():
-                    times[n, sweep, after_burst] += choice_seconds(gen, config, rows[n], queries[n], after_burst)
+                    seconds, slots = choice_seconds(gen, config, rows[n], queries[n], after_burst)
+                    times[n, sweep, after_burst] += seconds
+                    written[n, sweep, after_burst] += slots
     table = []
     for n in histories:
         archived = len(rows[n].archives[0])
         for sweep in configs:
             burst, after = (1e3 * statistics.median(times[n, sweep, kind]) for kind in (False, True))
-            table.append([n, archived, sweep, f"{burst:.2f}", f"{after:.2f}"])
+            slots = [statistics.mean(written[n, sweep, kind]) for kind in (False, True)]
+            table.append([n, archived, sweep, f"{burst:.2f}", f"{after:.2f}", f"{slots[0]:.0f} / {slots[1]:.0f}"])
     print(markdown_table(
         ["history, tokens", "archived per layer/head", "recall_sweep", "ms a burst choice (every layer votes)",
-         "ms a choice after the burst"], table,
+         "ms a choice after the burst", "slots rewritten a choice (burst / after)"], table,
         f"Median time of a decode choice after a reply's first, {args.choices - 1} per reply, {args.reps} interleaved "
         f"repetitions: batch 1, {args.threads} threads, {gen.spec.device.type}, budget {args.budget} + recall {args.recall}"))
 

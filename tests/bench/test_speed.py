@@ -162,6 +162,7 @@ def test_choice_cost_times_the_choices_of_a_reply_at_each_history_and_sweep(tmp_
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1") or line.startswith("| 4")]
     assert [(row[0], row[1], row[2]) for row in rows] == [("| 120", "90", "0"), ("| 120", "90", "4"),
                                                          ("| 400", "370", "0"), ("| 400", "370", "4")]
-    assert all(float(row[3]) > 0 and float(row[4].rstrip(" |")) > 0 for row in rows)
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows)
+    assert all(int(row[5].split(" / ")[0]) > 0 for row in rows)  # a burst's choices rewrite slots
     with pytest.raises(SystemExit):
         choice_cost.main(["--model", str(tmp_path), "--choices", "1"])
