@@ -214,10 +214,11 @@ class Archive:
 
     # ----- recall ----------------------------------------------------------------------------
 
-    def sweep(self, candidates: int) -> Sweep:
-        """The running candidates of this archive's decode choices, `candidates` blocks per head: the
-        same object while that count stays (the kernel's kept `Choice`s point into it), emptied where
-        the blocks were renumbered since (`epoch`)."""
+    def sweep(self, window: int) -> Sweep:
+        """The running candidates of this archive's decode choices for a window of `window` tokens
+        (CANDIDATES blocks per block it takes, per head): the same object while that count stays (the
+        kernel's kept `Choice`s point into it), emptied where the blocks were renumbered since (`epoch`)."""
+        candidates = CANDIDATES * (window // self.block)
         state = self._sweep
         if state is None or state.candidates.shape[-1] != candidates:
             state = self._sweep = Sweep(*self.shape, candidates)
@@ -306,9 +307,9 @@ class Archive:
         `held` (with `everywhere`): [L', H_kv, r] the tokens each head's window holds (-1: unknown),
         ranked with their votes times 1 + `margin` (`CacheConfig.recall_margin`).
         `sweep` (with `everywhere`, layers all; `CacheConfig.recall_sweep`): a voting head that kept
-        its candidates from the last such choice (`Sweep`) ranks by the bound only those and the
-        `sweep` blocks from the sweep's cursor on, not every block; the candidates are kept, the
-        cursor moves on.
+        its candidates from the last such choice (`Sweep`) ranks by the bound only those, the ones its
+        last choice of every block took (its reply's question's) and the `sweep` blocks from the
+        sweep's cursor on, not every block; the candidates are kept, the cursor moves on.
         Returns [L', H_kv, tokens] int64 token indices (of the storage, within full blocks),
         ascending; tokens <= full_blocks * block, a multiple of block.
         """
@@ -318,14 +319,14 @@ class Archive:
         # than the digests and the candidates' keys up at every choice
         q = queries.float().cpu()
         full_blocks = lo.shape[2]
-        state = self.sweep(CANDIDATES * blocks) if sweep and everywhere and layers == slice(None) else None
+        state = self.sweep(tokens) if sweep and everywhere and layers == slice(None) else None
         voting = slice(None) if voters is None else voters
-        if CANDIDATES * blocks >= full_blocks:  # every block a candidate, in order: the bound could only rank them
+        wanted = CANDIDATES * blocks
+        if wanted >= full_blocks:  # every block a candidate, in order: the bound could only rank them
             candidates = torch.arange(full_blocks).expand(*q.shape[:2], full_blocks)
             if state is not None:
                 state.counts[voting] = 0
         else:
-            wanted = CANDIDATES * blocks
             scanned = None
             if state is not None and wanted + sweep < full_blocks:
                 scanned = state.scanned(sweep, full_blocks)
@@ -455,13 +456,16 @@ class Sweep:
         mask.scatter_(2, self.question, True)
         return mask | (self.counts != self.candidates.shape[-1])[..., None]
 
-    def keep(self, candidates: torch.Tensor, voting: slice | list[int], sweep: int, blocks: int, every: bool) -> None:
+    def keep(self, candidates: torch.Tensor, voting: slice | list[int], sweep: int, blocks: int,
+             all_ranked: bool) -> None:
         """Keep the voting heads' `candidates` ([L, H, C]), as their question's too where they ranked
-        every block (all of them where `every`), and move the cursor on by `sweep`."""
+        every block (every head where `all_ranked`, else those that kept none), and move the cursor on
+        by `sweep`."""
         ranked = candidates.sort(dim=-1).values
-        every = torch.ones_like(self.counts, dtype=torch.bool) if every else self.counts != candidates.shape[-1]
-        every = every[..., None]
-        self.question[voting] = torch.where(every, ranked, self.question)[voting]
+        every = self.counts != candidates.shape[-1]
+        if all_ranked:
+            every = torch.ones_like(every)
+        self.question[voting] = torch.where(every[..., None], ranked, self.question)[voting]
         self.candidates[voting] = ranked[voting]
         self.counts[voting] = candidates.shape[-1]
         self.cursor[0] = (int(self.cursor[0]) % blocks + sweep) % blocks

@@ -233,7 +233,8 @@ def _prepare(cache, row: int, queries: torch.Tensor, scaling: float, layers: sli
             or queries.stride()[1:] != (group * dim, dim, 1)):
         queries = queries.to(torch.float32).cpu().contiguous()
     cos, sin = cache.spec.rope.get(cache.lengths[row]) if window else (None, None)
-    sweep = _sweep(cache, row) if indexed else None  # emptied here where the blocks were renumbered
+    # a decode choice's running candidates, emptied here where the blocks were renumbered
+    sweep = _sweep(cache, row) if indexed and first == 0 and end == archive.shape[0] else None
     sources = _sources(cache, row, storage, span, scaling, window, voters, queries.shape[2], cos, sin, sweep)
     kept = _prepared.setdefault(cache, {})
     entry = kept.get((row, first, end, window))
@@ -380,8 +381,7 @@ def _sweep(cache, row: int):
     block)."""
     if not cache.config.recall_sweep:
         return None
-    archive = cache.archives[row]
-    return archive.sweep(CANDIDATES * (cache.recalled[row] // archive.block))
+    return cache.archives[row].sweep(cache.recalled[row])
 
 
 def _sources(cache, row: int, storage: dict, span: int, scaling: float, window: bool, voters: list[int] | None,
@@ -444,7 +444,7 @@ def _build(cache, row: int, storage: dict, first: int, end: int, span: int, scal
         voting = torch.tensor(voters, dtype=torch.int64)
         keep += (voting,)
         fields |= dict(voters=voting.data_ptr(), voter_layers=len(voters))
-    if sweep is not None and first == 0 and end == archive.shape[0]:  # a decode choice's running candidates
+    if sweep is not None:  # a decode choice's running candidates
         keep += (sweep.candidates, sweep.question, sweep.counts, sweep.cursor)
         fields |= dict(kept=sweep.candidates.data_ptr(), question=sweep.question.data_ptr(),
                        kept_count=sweep.counts.data_ptr(),

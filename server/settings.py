@@ -136,8 +136,9 @@ class ServerSettings(BaseSettings):
                                       "its tokens by their votes (0: all layers)")
     recall_sweep: int = Field(
         512, ge=0, le=10_000_000, description="a reply's decode choices after its first rank by their digests only the "
-                                              "archived blocks each head chose last time and the next this many in "
-                                              "turn, so a choice costs the same at any archive size (0: every block, "
+                                              "archived blocks each head chose last time, those its reply's first "
+                                              "choice took and the next this many in turn, so a choice's ranking stops "
+                                              "growing with the archive past ~(512 + this) blocks (0: every block, "
                                               "every choice)")
     recall_choices: int | None = Field(
         None, ge=1, le=65536, description="most conversations that choose their recall window by their latest queries "
