@@ -430,12 +430,22 @@ void best_of_keys(std::vector<uint64_t>& keys, int64_t n, int64_t k, std::vector
     std::sort(out, out + k);
 }
 
-// The k indices of most score[0..n) (scores >= 0; ties: the lower index), ascending, into out.
+// The k indices of most score[0..n) (scores >= 0; ties: the lower index), ascending, into out (resized
+// to k): the k-th greatest key found, then every index whose key is at least it, in order, not sorted
+// (a head's 256 of ~1,000 blocks: the sort took as long as the selection).
 void best_of(const float* score, int64_t n, int64_t k, std::vector<uint64_t>& keys, std::vector<uint64_t>& passed,
-             int64_t* out) {
+             std::vector<int64_t>& out) {
     keys.resize(n);
     for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
-    best_of_keys(keys, n, k, passed, out);
+    int64_t size;
+    const uint64_t least = greatest_first(keys.data(), n, k, passed, size)[k - 1];
+    out.resize(n + 1);  // no branch: every index written, the count moved by those of the k
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        out[count] = i;
+        count += rank_key(score[i], i) >= least;
+    }
+    out.resize(k);
 }
 
 // The shared scores of a decode choice, for each head to take its tokens by: every position's score,
@@ -823,12 +833,17 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
         key_logits(q, G, D, K, [&](int64_t k) { return keys + k * D; }, c.half_bf16, logits);
     } else {
         // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
-        // two blocks before it is needed
+        // `ahead` blocks before it is needed, with its origins (read after this stage, `rank_head`)
         constexpr int64_t ahead = 2;
+        const int64_t* origins = c.origins + head * c.capacity;
         key_logits(q, G, D, K, [&](int64_t k) {
-            if (k % B == 0 && k + ahead * B < K)
+            if (k % B == 0 && k + ahead * B < K) {
+                const int64_t at = keys_at[k + ahead * B];
                 for (int64_t i = 0; i < B * D; i += 32)
-                    _mm_prefetch(reinterpret_cast<const char*>(keys + keys_at[k + ahead * B] * D + i), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(keys + at * D + i), _MM_HINT_T0);
+                for (int64_t i = 0; i < B; i += 8)
+                    _mm_prefetch(reinterpret_cast<const char*>(origins + at + i), _MM_HINT_T0);
+            }
             return keys + keys_at[k] * D;
         }, c.half_bf16, logits);
     }
@@ -853,12 +868,12 @@ void rank_head(const Choice& c, int64_t head, Scratch& s, int64_t* positions_out
                                            s.scanned);
             s.mass.assign(M, 0.0f);
             bound_part(c, head, 0, c.group, s.scanned.data(), M, s, s.mass.data());
-            best_of(s.mass.data(), M, C, s.keys, s.passed, s.best.data());
+            best_of(s.mass.data(), M, C, s.keys, s.passed, s.best);
             for (int64_t j = 0; j < C; ++j) s.best[j] = s.scanned[s.best[j]];  // ascending still
         } else {
             s.mass.assign(N, 0.0f);
             bound_part(c, head, 0, c.group, nullptr, N, s, s.mass.data());
-            best_of(s.mass.data(), N, C, s.keys, s.passed, s.best.data());
+            best_of(s.mass.data(), N, C, s.keys, s.passed, s.best);
             if (kept) std::copy(s.best.begin(), s.best.end(), c.question + head * C);  // every block ranked
         }
         if (kept) {
@@ -1003,7 +1018,7 @@ int choose(const Choice& c, int32_t* written) {
         const int64_t voters = static_cast<int64_t>(voting.size());
 #pragma omp parallel num_threads(threads)
         {
-            Scratch scratch;
+            static thread_local Scratch scratch;  // kept, as the picks' (every value a head reads, it writes first)
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < voters; ++i)
                 rank_head(c, voting[i], scratch, positions + voting[i] * K, mass + voting[i] * K);
@@ -1113,7 +1128,11 @@ int choose_blocks(const Choice& c, int32_t* written) {
         // the products on the tile unit where there is one (`amx_products.h`), else packed fp32 tiles
         const bool amx = amx_on();
         const int64_t bound_tiles = (N + TILE - 1) / TILE, key_tiles = (K + TILE - 1) / TILE;
-        const int64_t bound_size = bound_tiles * (amx ? amx_tile_floats(2 * D) : TILE * 2 * D);
+        // digests of no width (lo and hi one buffer, "centre") score q . centre: one product of depth D,
+        // the queries as they are; boxes their best corner, the queries split against rows hi then lo
+        const bool centre = c.lo == c.hi;
+        const int64_t bound_depth = centre ? D : 2 * D;
+        const int64_t bound_size = bound_tiles * (amx ? amx_tile_floats(bound_depth) : TILE * bound_depth);
         const int64_t key_size = key_tiles * (amx ? amx_tile_floats(D) : TILE * D);
         const int64_t stride = std::max(N, K);
         const bool everything = C == N;  // every block a candidate: no bound stage
@@ -1171,7 +1190,7 @@ int choose_blocks(const Choice& c, int32_t* written) {
             static thread_local std::vector<float> q, logits;  // each thread's own, kept
             static thread_local std::vector<uint16_t> terms;
 #pragma omp for schedule(static)
-            for (int64_t task = 0; task < (everything ? 0 : heads * pieces); ++task) {  // digests: rows [0, D) hi, [D, 2D) lo
+            for (int64_t task = 0; task < (everything ? 0 : heads * pieces); ++task) {  // digests: rows [0, D) hi (or the centre), [D, 2D) lo
                 const int64_t head = task / pieces;
                 const auto [j0, j1] = run(task % pieces, N);
                 float* panel = panels.data() + head * bound_size;
@@ -1180,16 +1199,16 @@ int choose_blocks(const Choice& c, int32_t* written) {
                 const auto his = [&](int64_t n) { return hi + n * D; };
                 const auto los = [&](int64_t n) { return lo + n * D; };
                 if (amx) {
-                    pack_amx(j0, j1, D, 2 * D, 0, his, reinterpret_cast<uint16_t*>(panel));
-                    pack_amx(j0, j1, D, 2 * D, D, los, reinterpret_cast<uint16_t*>(panel));
+                    pack_amx(j0, j1, D, bound_depth, 0, his, reinterpret_cast<uint16_t*>(panel));
+                    if (!centre) pack_amx(j0, j1, D, bound_depth, D, los, reinterpret_cast<uint16_t*>(panel));
                 } else {
-                    pack_tiles(j0, j1, D, 2 * D, 0, his, panel);
-                    pack_tiles(j0, j1, D, 2 * D, D, los, panel);
+                    pack_tiles(j0, j1, D, bound_depth, 0, his, panel);
+                    if (!centre) pack_tiles(j0, j1, D, bound_depth, D, los, panel);
                 }
             }
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < (everything ? 0 : tasks); ++task)
-                stage(task, true, bound_size, bound_tiles, N, q, terms, logits);
+                stage(task, !centre, bound_size, bound_tiles, N, q, terms, logits);
 #pragma omp for schedule(static)
             for (int64_t head = 0; head < heads; ++head) {
                 int64_t* at = candidates.data() + head * K;

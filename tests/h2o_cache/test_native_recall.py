@@ -174,14 +174,16 @@ def products(request):
     lib.h2o_recall_amx(1)
 
 
+@pytest.mark.parametrize("digest", ["centre", "minmax"])
 @pytest.mark.parametrize("heads, kv_heads, chunk, layers", [(4, 2, 8, (0, 1)), (8, 1, 12, (1, 2)), (4, 4, 30, (0, 2))])
-def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, kv_heads, chunk, layers, products):
+def test_the_kernel_chooses_a_prefill_chunks_blocks_as_the_torch_ops_do(heads, kv_heads, chunk, layers, digest, products):
     """A prefill chunk's choice by whole blocks, votes pooled over the heads of its layers: query
     groups of 2, 8 and 1 times chunks of 8-30 (8 x 12 = 96 queries per KV head: parts of 48 summed),
     one layer or two, noisier queries each time, each starting from the window the last one left;
-    the products on the tile unit or as fused multiply-adds."""
+    the products on the tile unit or as fused multiply-adds; digests of no width (one product, q .
+    centre) and boxes (the queries split against their rows hi and lo)."""
     model = tiny_llama(heads=heads, kv_heads=kv_heads, init_std=0.3)
-    gen, cache = conversation(model)
+    gen, cache = conversation(model, recall_digest=digest)
     if not native_recall.supports(cache):
         pytest.skip("no C++ compiler: the recall kernel is not built")
     kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
