@@ -12,7 +12,8 @@ recall on vs off at the same budget.
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off. `--breakdown` adds two more: recall on but never
   choosing (the window's slots, archiving and placing alone), and recall off at budget + recall slots
-  (what attending over as many slots costs by itself). `--by-step` times every step alone and prints
+  (what attending over as many slots costs by itself). `--split` times each step's forward pass
+(the native step) apart from the rest (the choice before it, evictions, sampling). `--by-step` times every step alone and prints
   medians of plain steps, of steps before which rows chose, and of steps after which rows were
   evicted: where the cost sits (a choosing step of 8 rows pays 8 choices at once).
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
@@ -64,11 +65,38 @@ def decoder_of(gen: Generator, config: CacheConfig, history: H2OCache, turn: lis
     return decoder
 
 
-def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int) -> dict[str, list[float]]:
+class ForwardTimer:
+    """Stands in for a decoder's native step (`StaticDecoder.native`) and adds up the seconds its calls
+    take: the forward pass alone, apart from the choices, evictions and sampling around it."""
+
+    def __init__(self, step):
+        self.step, self.seconds = step, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+    def __call__(self, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return self.step(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+
+def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int,
+                 forward: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Mean seconds per step of each decoder over `reps` interleaved windows of `steps` greedy steps;
+    with `forward`, also each window's mean seconds in the forward pass of decoders whose native step is
+    a `ForwardTimer`."""
     times = {name: [] for name in decoders}
     for _ in range(reps):
         for name, decoder in decoders.items():
+            timer = decoder.native if isinstance(decoder.native, ForwardTimer) else None
+            if timer is not None:
+                timer.seconds = 0.0
             times[name].append(greedy_step_seconds(decoder.step, decoder.cache, steps))
+            if timer is not None and forward is not None:
+                forward.setdefault(name, []).append(timer.seconds / steps)
     return times
 
 
@@ -158,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7, help="0: time the prefill only")
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
+    parser.add_argument("--split", action="store_true",
+                        help="also print each configuration's step split into its forward pass (the native step "
+                             "alone) and the rest (the choice, evictions, sampling, Python): what recall adds to "
+                             "each, and whether a choice slows the forward pass after it")
     parser.add_argument("--by-step", action="store_true",
                         help="also time every step alone: medians of plain, choosing and evicting steps")
     add_model_args(parser)
@@ -206,10 +238,20 @@ def main(argv: list[str] | None = None) -> None:
              f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens"
              f"{' of ' + args.text if args.text else ' (random)'}")
 
-    table, by_step = [], []
+    table, by_step, split = [], [], []
     for batch in args.batch_sizes if rows else []:
         decoders = {name: decoder_of(gen, config, rows[name], turn, batch, args.steps) for name, config in configs.items()}
-        times = decode_times(decoders, args.reps, args.steps)
+        forward: dict[str, list[float]] = {}
+        if args.split:
+            for decoder in decoders.values():
+                if decoder.native is not None:
+                    decoder.native = ForwardTimer(decoder.native)
+        times = decode_times(decoders, args.reps, args.steps, forward)
+        if forward:
+            split += [[f"batch {batch}, {name}", 1e3 * statistics.median(times[name]), 1e3 * statistics.median(forward[name]),
+                       1e3 * statistics.median(t - f for t, f in zip(times[name], forward[name])),
+                       1e3 * statistics.median(f - o for f, o in zip(forward[name], forward["off"]))]
+                      for name in configs if name in forward]
         for name in configs:
             if name == "off":
                 continue
@@ -243,6 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["", "recall off, ms", "recall on, ms", "on / off", "target", ""], table,
                          f"Cost of recall, medians of {args.reps} interleaved repetitions "
                          f"({args.prefill_reps} for the prefill): {setup}"))
+    if split:
+        print()
+        print(markdown_table(["", "step, ms", "forward pass, ms", "the rest, ms", "forward pass - recall off's, ms"],
+                             split, f"Each step split ({args.reps} x {args.steps} steps per configuration, medians of the "
+                             "windows): the native forward pass alone, and the rest (the choice before it, evictions, "
+                             "sampling, Python)"))
+    elif args.split:
+        print("\n--split: no native step here (it needs the C++ kernel and a CPU): nothing to split")
     if by_step:
         print()
         print(markdown_table(["", "plain step, ms (steps)", "choosing", "evicting", "mean, ms"], by_step,

@@ -166,3 +166,36 @@ def test_choice_cost_times_the_choices_of_a_reply_at_each_history_and_sweep(tmp_
     assert all(int(row[5].split(" / ")[0]) > 0 for row in rows)  # a burst's choices rewrite slots
     with pytest.raises(SystemExit):
         choice_cost.main(["--model", str(tmp_path), "--choices", "1"])
+
+
+
+def test_recall_speed_split_times_the_native_forward_pass_apart_from_the_choice_around_it(tmp_path):
+    """`--split`: a native decoder's forward calls are timed by a stand-in that passes them through
+    (the same logits), and each window's forward seconds are a part of its step's."""
+    from h2o_cache import Generator, StaticDecoder
+    from h2o_cache.bench.recall_speed import ForwardTimer, decode_times
+    from h2o_cache.quantized import kernel
+    from tests.conftest import ByteTokenizer, tiny_llama
+    from tests.h2o_cache.test_quantized import gguf_llama
+    from tests.h2o_cache.test_recall import recall_config, recalling_rows
+
+    if kernel() is None:
+        pytest.skip("no C++ compiler: no native step to time")
+    model = tiny_llama(init_std=0.3)
+    gguf_llama(tmp_path / "tiny.gguf", model)
+    model.gguf_path = tmp_path / "tiny.gguf"
+    config = recall_config()
+    gen = Generator(model, ByteTokenizer(), config)
+    timed, plain = (StaticDecoder(model, config, max_rows=1, exact=True) for _ in range(2))
+    assert timed.native is not None
+    recalling_rows(gen, (50,), [timed, plain])
+    timed.native = ForwardTimer(timed.native)
+    for _ in range(6):  # the stand-in changes nothing the step computes
+        logits = plain.step()
+        assert torch.equal(timed.step(), logits)
+        token = int(logits[0].argmax())
+        timed.cache.pending, plain.cache.pending = [[token]], [[token]]
+    forward: dict[str, list[float]] = {}
+    times = decode_times({"timed": timed, "plain": plain}, reps=3, steps=4, forward=forward)
+    assert list(forward) == ["timed"] and len(forward["timed"]) == 3  # only a decoder with a stand-in
+    assert all(0 < f < t for f, t in zip(forward["timed"], times["timed"]))
