@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from h2o_cache.config import CacheConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +81,20 @@ def random_default_shapes(device: str = "auto", dtype: str = "auto"):
                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(place, resolve_dtype(dtype, place)).eval()
+
+
+def config_field(name: str, value: str):
+    """A command line's value for CacheConfig's field `name`, as the field takes it: int, float, bool or
+    str; `none` for None (`passkey --set`, `flat --variants`)."""
+    known = {f.name: f for f in fields(CacheConfig)}
+    if name not in known:
+        raise ValueError(f"CacheConfig has no field {name!r} (fields: {', '.join(known)})")
+    if value.lower() == "none":
+        return None
+    kind = known[name].type.split("|")[0].strip()
+    if kind == "bool":
+        return value.lower() in ("1", "true", "yes", "on")
+    return {"int": int, "float": float}.get(kind, str)(value)
 
 
 def cell(value) -> str:

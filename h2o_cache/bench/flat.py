@@ -10,7 +10,8 @@ interleaved, `--reps` times. Printed: the median time per token of a reply at ea
 ratio to the shortest history's (a flat cost: ratios near 1). Recall off (h2o alone at the same
 budget) is the reference, flat by construction; `--digests` adds a recall configuration per block
 digest (`CacheConfig.recall_digest`) beside the default, `--sweeps` one per stripe of the decode
-choices (`CacheConfig.recall_sweep`; 0: every choice ranks every block).
+choices (`CacheConfig.recall_sweep`; 0: every choice ranks every block), `--variants` one per set of
+CacheConfig fields changed (where a reply's time goes: `recall_burst=0`, `recall_positions=text`, ...).
 
     python -m h2o_cache.bench.flat --histories 2048 8192 16000 --digests mean --sweeps 0
 """
@@ -24,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table, read_text
+from h2o_cache.bench.common import add_model_args, config_field, data_path, load, markdown_table, read_text
 from h2o_cache.bench.recall_speed import conversation_row, decoder_of
 from h2o_cache.bench.speed import greedy_step_seconds
 from h2o_cache.config import DIGESTS
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time recall with these block digests")
     parser.add_argument("--sweeps", nargs="*", type=int, default=[],
                         help="also time recall with these recall_sweep values (0: every block, every choice)")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                        help="also time recall with these CacheConfig fields changed, one configuration each, e.g. "
+                             "recall_burst=0 recall_positions=text,recall_burst=0 (where a reply's time goes)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     histories = sorted(set(args.histories))
@@ -77,6 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     for sweep in args.sweeps:
         if sweep != recall.recall_sweep:
             configs[f"recall {args.recall}, sweep {sweep}"] = replace(recall, recall_sweep=sweep)
+    for variant in args.variants:
+        try:
+            changes = dict(change.split("=", 1) for change in variant.split(","))
+            configs[f"recall {args.recall}, {variant}"] = replace(recall, **{k: config_field(k, v) for k, v in changes.items()})
+        except ValueError as error:  # no '=', an unknown field, a value of the wrong kind, a bad config
+            parser.error(f"--variants {variant}: {error}")
     rows = {(name, n): conversation_row(gen, config, tokens[:n]) for name, config in configs.items() for n in histories}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
     for rep in range(args.reps):
@@ -89,9 +99,11 @@ def main(argv: list[str] | None = None) -> None:
         for n in histories:
             archived = len(rows[name, n].archives[0]) if rows[name, n].archives[0] is not None else 0
             median = statistics.median(times[name, n])
-            table.append([name, n, archived, 1e3 * median, median / first])
+            off = statistics.median(a / b for a, b in zip(times[name, n], times["recall off", n]))
+            table.append([name, n, archived, 1e3 * median, median / first, off])
     print(markdown_table(
-        ["", "history, tokens", "archived per layer/head", "ms per token of a reply", f"/ at {histories[0]}"], table,
+        ["", "history, tokens", "archived per layer/head", "ms per token of a reply", f"/ at {histories[0]}",
+         "/ recall off (median of the reps' ratios)"], table,
         f"Time per token of a {args.reply}-token reply to a {args.turn}-token turn, batch 1, medians of {args.reps} "
         f"interleaved replies: {args.threads} threads, {gen.spec.device.type}, budget {args.budget}, text {args.text}"))
 

@@ -42,12 +42,12 @@ import argparse
 import random
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
 from h2o_cache import CacheConfig, Generator
-from h2o_cache.bench.common import add_model_args, data_path, load, markdown_table, read_text
+from h2o_cache.bench.common import add_model_args, config_field, data_path, load, markdown_table, read_text
 from h2o_cache.bench.nll import FULL_CHUNK, Item, fork, score
 
 CITIES = [
@@ -304,20 +304,7 @@ def cache_config(spec: str, settings: dict[str, str] | None = None) -> CacheConf
     budget, _, recall = budget.partition("+r")
     chunk = int(budget) // (2 if recall else 4)  # the server's chunk with recall
     config = CacheConfig(policy=policy, budget=int(budget), prefill_chunk=max(1, chunk), recall_budget=int(recall or 0))
-    return replace(config, **{name: _parse_field(name, value) for name, value in (settings or {}).items()})
-
-
-def _parse_field(name: str, value: str):
-    """A `--set` value as CacheConfig's field `name` takes it: int, float, bool or str; `none` for None."""
-    known = {f.name: f for f in fields(CacheConfig)}
-    if name not in known:
-        raise ValueError(f"--set: CacheConfig has no field {name!r} (fields: {', '.join(known)})")
-    if value.lower() == "none":
-        return None
-    kind = known[name].type.split("|")[0].strip()
-    if kind == "bool":
-        return value.lower() in ("1", "true", "yes", "on")
-    return {"int": int, "float": float}.get(kind, str)(value)
+    return replace(config, **{name: config_field(name, value) for name, value in (settings or {}).items()})
 
 
 def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list[Chat], batch: int,

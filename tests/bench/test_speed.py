@@ -142,15 +142,21 @@ def test_flat_times_replies_at_each_history_with_ratios_to_the_shortest(tmp_path
     random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
     flat.main(["--model", str(tmp_path), "--text", "random", "--budget", "32", "--recall", "16",
                "--histories", "150", "60", "--turn", "8", "--reply", "6", "--reps", "2", "--digests", "mean", "centre",
-               "--sweeps", "0"])
+               "--sweeps", "0", "--variants", "recall_burst=0,recall_positions=text"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| recall")]
     default = "| recall 16, digest centre, sweep 512 (default)"
+    variant = "| recall 16, recall_burst=0,recall_positions=text"
     assert [(row[0], row[1]) for row in rows] == [
         ("| recall off", "60"), ("| recall off", "150"), (default, "60"), (default, "150"),
         ("| recall 16, digest mean", "60"), ("| recall 16, digest mean", "150"),
-        ("| recall 16, sweep 0", "60"), ("| recall 16, sweep 0", "150")]
-    assert [row[2] for row in rows] == ["0", "0", "30", "120", "30", "120", "30", "120"]  # the history less the target (30)
-    assert all(float(row[3]) > 0 for row in rows) and [float(row[4].rstrip(" |")) for row in rows[::2]] == [1.0] * 4
+        ("| recall 16, sweep 0", "60"), ("| recall 16, sweep 0", "150"), (variant, "60"), (variant, "150")]
+    assert [row[2] for row in rows] == ["0", "0", "30", "120", "30", "120", "30", "120", "30", "120"]  # the history less the target (30)
+    assert all(float(row[3]) > 0 for row in rows) and [float(row[4]) for row in rows[::2]] == [1.0] * 5
+    assert [float(row[5].rstrip(" |")) for row in rows[:2]] == [1.0, 1.0]  # recall off against itself
+    assert all(float(row[5].rstrip(" |")) > 0 for row in rows)
+    for bad in ("recall_burst", "recall_bursts=0", "recall_burst=many"):  # no value, no such field, not an int
+        with pytest.raises(SystemExit):
+            flat.main(["--model", str(tmp_path), "--text", "random", "--histories", "60", "--variants", bad])
 
 
 def test_choice_cost_times_the_choices_of_a_reply_at_each_history_and_sweep(tmp_path, capsys):
