@@ -62,6 +62,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.reps < 1 or args.reply < 1 or args.turn < 1 or histories[0] < 1:
         parser.error("--reps, --reply, --turn and --histories must be positive")
 
+    recall = CacheConfig(budget=args.budget, recall_budget=args.recall)
+    variants = {}  # checked before the model loads
+    for variant in args.variants:
+        try:
+            changes = dict(change.split("=", 1) for change in variant.split(","))
+            variants[f"recall {args.recall}, {variant}"] = replace(recall, **{k: config_field(k, v) for k, v in changes.items()})
+        except ValueError as error:  # no '=', an unknown field, a value of the wrong kind, a bad config
+            parser.error(f"--variants {variant}: {error}")
+
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
     needed = histories[-1] + args.turn * args.reps
@@ -72,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
         tokens = tokenizer(read_text(args.text))["input_ids"]
     if len(tokens) < needed:
         parser.error(f"--text holds {len(tokens)} tokens: fewer than the longest history and the turns ({needed})")
-    recall = CacheConfig(budget=args.budget, recall_budget=args.recall)
     configs = {"recall off": CacheConfig(budget=args.budget),
                f"recall {args.recall}, digest {recall.recall_digest}, sweep {recall.recall_sweep} (default)": recall}
     for digest in args.digests:
@@ -81,12 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     for sweep in args.sweeps:
         if sweep != recall.recall_sweep:
             configs[f"recall {args.recall}, sweep {sweep}"] = replace(recall, recall_sweep=sweep)
-    for variant in args.variants:
-        try:
-            changes = dict(change.split("=", 1) for change in variant.split(","))
-            configs[f"recall {args.recall}, {variant}"] = replace(recall, **{k: config_field(k, v) for k, v in changes.items()})
-        except ValueError as error:  # no '=', an unknown field, a value of the wrong kind, a bad config
-            parser.error(f"--variants {variant}: {error}")
+    configs.update(variants)
     rows = {(name, n): conversation_row(gen, config, tokens[:n]) for name, config in configs.items() for n in histories}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
     for rep in range(args.reps):

@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         for spec in args.caches:
             cache_config(spec, settings)
     except ValueError as error:
-        parser.error(str(error))
+        parser.error(f"--set: {error}")
     if args.fact and args.keys > len(CITIES):
         parser.error(f"--fact has {len(CITIES)} cities, fewer than --keys {args.keys}")
     for flag, n in (("--facts", args.facts), ("--list", args.listing)):
