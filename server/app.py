@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -44,6 +45,11 @@ def build_engine(settings: ServerSettings) -> Engine:
     context_window = getattr(model.config, "max_position_embeddings", None)
     cache_config = settings.cache_config(next(model.parameters()).device.type)
     engine = Engine(model, tokenizer, cache_config, settings.engine_config(context_window))
+    # what exists now (the model, the tokenizer, the libraries: ~380k objects) lives as long as the
+    # server: out of the collector's sight, so that a full collection while serving walks only what
+    # came since (walking everything took 0.2-0.3 s, a pause every stream would feel)
+    gc.collect()
+    gc.freeze()
     engine.start()
     log.info("model %s ready: %s", model_name(settings.model), cache_config.describe())
     return engine

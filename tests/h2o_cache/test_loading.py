@@ -37,3 +37,30 @@ def test_bad_paths_and_options_are_named(tmp_path):
         resolve_dtype("float8", torch.device("cpu"))
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_the_collector_is_paused_while_a_model_loads_and_restored_after(tmp_path, monkeypatch):
+    import gc
+
+    from h2o_cache import loading
+
+    seen = []
+
+    def fake_load(model, device, dtype):
+        seen.append(gc.isenabled())
+        if model == "fails":
+            raise OSError("unreadable")
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(loading, "_load", fake_load)
+    assert gc.isenabled()
+    assert load_model("anything") == ("model", "tokenizer")
+    with pytest.raises(OSError, match="unreadable"):
+        load_model("fails")
+    assert seen == [False, False] and gc.isenabled()  # back on after a load, and after a failed one
+    gc.disable()
+    try:
+        load_model("anything")
+        assert not gc.isenabled()  # a caller's choice to keep it off stands
+    finally:
+        gc.enable()
