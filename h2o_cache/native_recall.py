@@ -497,3 +497,22 @@ def place(cache, rows: list[int]) -> None:
     status = kernel().h2o_recall_place(ctypes.byref(job))
     if status:
         raise ValueError(f"the native placement refused its input (status {status})")
+
+
+# The stages of a decode choice, as the kernel times them (`h2o_recall_stages`)
+STAGES = ("rank", "votes", "index", "picks", "fill")
+
+
+def stages(on: bool | None = None) -> dict[str, float] | None:
+    """The kernel's decode choices timed by stage: `on` True starts counting from zero, False stops it,
+    None leaves it. Returns what was counted so far, {"choices": n, "rank": seconds, ...} summed over
+    the choices ("rank": the voting heads' bound and exact stages; "votes": their votes pooled and the
+    best positions found; "index": the position index brought up to date; "picks": every head's tokens;
+    "fill": their copies into the window), or None without the kernel. Counting costs two clock reads
+    a stage; off (the default), a choice reads one flag."""
+    lib = kernel()
+    if lib is None:
+        return None
+    out = (ctypes.c_double * (1 + len(STAGES)))()
+    lib.h2o_recall_stages(-1 if on is None else int(on), out)
+    return {"choices": out[0], **dict(zip(STAGES, out[1:]))}

@@ -185,6 +185,8 @@ def kernel() -> ctypes.CDLL | None:
                                            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
     lib.h2o_recall_amx.restype = ctypes.c_int
     lib.h2o_recall_amx.argtypes = [ctypes.c_int]
+    lib.h2o_recall_stages.restype = ctypes.c_int
+    lib.h2o_recall_stages.argtypes = [ctypes.c_int, ctypes.c_void_p]
     return lib
 
 

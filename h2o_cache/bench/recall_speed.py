@@ -12,8 +12,9 @@ recall on vs off at the same budget.
   holds an eviction) are interleaved across the configurations for `--reps` repetitions; medians of
   step time and of per-window ratios to recall off. `--breakdown` adds two more: recall on but never
   choosing (the window's slots, archiving and placing alone), and recall off at budget + recall slots
-  (what attending over as many slots costs by itself). `--split` times each step's forward pass
-(the native step) apart from the rest (the choice before it, evictions, sampling). `--by-step` times every step alone and prints
+  (what attending over as many slots costs by itself). `--split` times each step's forward pass (the
+  native step) apart from the rest (the choice before it, evictions, sampling), and the kernel's
+  choices by stage (`native_recall.stages`). `--by-step` times every step alone and prints
   medians of plain steps, of steps before which rows chose, and of steps after which rows were
   evicted: where the cost sits (a choosing step of 8 rows pays 8 choices at once).
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
@@ -33,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder
+from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder, native_recall
 from h2o_cache.bench.common import add_model_args, load, markdown_table
 from h2o_cache.bench.speed import greedy_step_seconds
 
@@ -84,20 +85,41 @@ class ForwardTimer:
 
 
 def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int,
-                 forward: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+                 forward: dict[str, list[float]] | None = None,
+                 stages: dict[str, dict[str, float]] | None = None) -> dict[str, list[float]]:
     """Mean seconds per step of each decoder over `reps` interleaved windows of `steps` greedy steps;
     with `forward`, also each window's mean seconds in the forward pass of decoders whose native step is
-    a `ForwardTimer`."""
+    a `ForwardTimer`; with `stages`, also each decoder's kernel choices timed by stage
+    (`native_recall.stages`), summed over its windows."""
     times = {name: [] for name in decoders}
     for _ in range(reps):
         for name, decoder in decoders.items():
             timer = decoder.native if isinstance(decoder.native, ForwardTimer) else None
             if timer is not None:
                 timer.seconds = 0.0
+            if stages is not None:
+                native_recall.stages(True)
             times[name].append(greedy_step_seconds(decoder.step, decoder.cache, steps))
+            if stages is not None:
+                counted = native_recall.stages(False) or {}
+                total = stages.setdefault(name, {})
+                for stage, value in counted.items():
+                    total[stage] = total.get(stage, 0.0) + value
             if timer is not None and forward is not None:
                 forward.setdefault(name, []).append(timer.seconds / steps)
     return times
+
+
+def stage_rows(stages: dict[str, dict[str, float]], batch: int, steps: int) -> list[list]:
+    """Rows of a table of the kernel's decode choices by stage (`decode_times`' `stages`): choices per
+    step and ms per choice in each stage, for the configurations that made any."""
+    rows = []
+    for name, total in stages.items():
+        choices = total.get("choices", 0.0)
+        if choices:
+            per = [1e3 * total[stage] / choices for stage in native_recall.STAGES]
+            rows.append([f"batch {batch}, {name}", choices / steps, *per, sum(per)])
+    return rows
 
 
 def step_kinds(decoder: StaticDecoder, steps: int) -> dict[str, list[float]]:
@@ -238,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
              f"recall {args.recall}, history {args.history} tokens, turn {args.turn} tokens"
              f"{' of ' + args.text if args.text else ' (random)'}")
 
-    table, by_step, split = [], [], []
+    table, by_step, split, staged = [], [], [], []
     for batch in args.batch_sizes if rows else []:
         decoders = {name: decoder_of(gen, config, rows[name], turn, batch, args.steps) for name, config in configs.items()}
         forward: dict[str, list[float]] = {}
@@ -246,7 +268,10 @@ def main(argv: list[str] | None = None) -> None:
             for decoder in decoders.values():
                 if decoder.native is not None:
                     decoder.native = ForwardTimer(decoder.native)
-        times = decode_times(decoders, args.reps, args.steps, forward)
+        stages: dict[str, dict[str, float]] | None = {} if args.split else None
+        times = decode_times(decoders, args.reps, args.steps, forward, stages)
+        if stages:
+            staged += stage_rows(stages, batch, args.reps * args.steps)
         if forward:
             split += [[f"batch {batch}, {name}", 1e3 * statistics.median(times[name]), 1e3 * statistics.median(forward[name]),
                        1e3 * statistics.median(t - f for t, f in zip(times[name], forward[name])),
@@ -293,6 +318,13 @@ def main(argv: list[str] | None = None) -> None:
                              "sampling, Python)"))
     elif args.split:
         print("\n--split: no native step here (it needs the C++ kernel and a CPU): nothing to split")
+    if staged:
+        print()
+        print(markdown_table(["", "choices a step", *[f"{stage}, ms" for stage in native_recall.STAGES], "choice, ms"],
+                             staged, "The kernel's decode choices in those steps, by stage (ms a choice; "
+                             "`native_recall.stages`): rank = the voting heads' bound and exact stages, votes = "
+                             "their votes pooled and the best positions, index = the position index updated, "
+                             "picks = every head's tokens, fill = the copies into the window"))
     if by_step:
         print()
         print(markdown_table(["", "plain step, ms (steps)", "choosing", "evicting", "mean, ms"], by_step,

@@ -33,6 +33,8 @@
 #include <string.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <numeric>
 #include <vector>
 
@@ -993,6 +995,46 @@ int fill_all(const Choice& c, const int64_t* chosen, int32_t* written) {
     return status;
 }
 
+// A decode choice's time by stage, summed over the choices made while counting is on
+// (`h2o_recall_stages`; off by default, when a choice reads one flag and no clock): "rank" the voting
+// heads' bound and exact stages, "votes" their votes pooled and the positions of the best scores,
+// "index" the position index brought up to date, "picks" every head's tokens, "fill" the copies into
+// the window. Nanoseconds, added atomically (several rows choose side by side).
+enum Stage { RANK, VOTES, INDEX, PICKS, FILL, STAGES };
+struct StageClock {
+    std::atomic<bool> on{false};
+    std::atomic<int64_t> choices{0}, nanoseconds[STAGES] = {};
+};
+StageClock& stage_clock() {
+    static StageClock clock;
+    return clock;
+}
+
+// Marks the end of each stage of one choice, where counting is on.
+class StageTimer {
+public:
+    StageTimer() : on_(stage_clock().on.load(std::memory_order_relaxed)) {
+        if (on_) last_ = now();
+    }
+    void mark(Stage stage) {
+        if (!on_) return;
+        const int64_t t = now();
+        stage_clock().nanoseconds[stage].fetch_add(t - last_, std::memory_order_relaxed);
+        last_ = t;
+    }
+    ~StageTimer() {
+        if (on_) stage_clock().choices.fetch_add(1, std::memory_order_relaxed);
+    }
+
+private:
+    static int64_t now() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    }
+    bool on_;
+    int64_t last_ = 0;
+};
+
 int choose(const Choice& c, int32_t* written) {
     const int64_t heads = c.layers * c.heads, r = c.window, B = c.block, n = c.blocks * B;
     const int64_t K = c.candidates * B, mask = c.positions - 1;
@@ -1000,6 +1042,7 @@ int choose(const Choice& c, int32_t* written) {
         || (c.archive_fp16 && c.dim > 512) || !voters_valid(c))
         return 1;
     const int threads = static_cast<int>(c.threads);
+    StageTimer timer;
     // kept between calls (fresh pages of these sizes would fault on every touch of every choice); the
     // threads of a parallel region see the caller's through pointers (each has its own thread_local)
     static thread_local std::vector<int64_t> chosen_store, positions_store;
@@ -1023,6 +1066,7 @@ int choose(const Choice& c, int32_t* written) {
             for (int64_t i = 0; i < voters; ++i)
                 rank_head(c, voting[i], scratch, positions + voting[i] * K, mass + voting[i] * K);
         }
+        timer.mark(RANK);
         if (c.kept && c.sweep > 0 && c.candidates < c.blocks)  // the next stripe
             *c.sweep_cursor = (*c.sweep_cursor % c.blocks + c.sweep) % c.blocks;
         // one thread, in head order: the votes' sums do not depend on the thread count. votes and
@@ -1061,6 +1105,7 @@ int choose(const Choice& c, int32_t* written) {
         static thread_local std::vector<uint64_t> above;
         const Ranked ranked = rank_positions(score_of, first, last, std::max<int64_t>(4 * r, 512), mask, bonus,
                                              positive, above);
+        timer.mark(VOTES);
         // each head reads its tokens at the best positions from the row's position index, where it has one
         const bool by_index = c.index != nullptr;
         static thread_local std::vector<Marked> order_store;
@@ -1069,6 +1114,7 @@ int choose(const Choice& c, int32_t* written) {
             update_index(c.origins, c.capacity, heads, n, mask, c.index, c.index_rows, c.index_state, threads);
             marked_by_score(ranked, first, last, order_store);
         }
+        timer.mark(INDEX);
         const int32_t* const flags = by_index ? c.index + c.index_rows * heads : nullptr;
 #pragma omp parallel num_threads(threads)
         {
@@ -1089,7 +1135,10 @@ int choose(const Choice& c, int32_t* written) {
         std::fill(votes.begin() + low, votes.begin() + high + 1, 0.0f);
         std::fill(scores.begin() + first, scores.begin() + last + 1, 0.0f);
     }
-    return fill_all(c, chosen, written);
+    timer.mark(PICKS);
+    const int status = fill_all(c, chosen, written);
+    timer.mark(FILL);
+    return status;
 }
 
 // A prefill chunk's choice for the heads of a few layers (`Archive.select` without `everywhere`):
@@ -1345,6 +1394,23 @@ int h2o_recall_choose_rows(const Choice* choices, int64_t rows, int32_t* const* 
         statuses[i] = choose(c, written[i]);
     }
     return 0;
+}
+
+// Counting of decode choices' time by stage (`StageClock`): on 1 starts it from zero, 0 stops it, -1
+// leaves it. out (nullable): [1 + 5] <- the choices counted and the seconds of rank, votes, index,
+// picks and fill, summed over them. Returns whether it counts now.
+int h2o_recall_stages(int on, double* out) {
+    StageClock& clock = stage_clock();
+    if (on == 1) {
+        clock.choices.store(0);
+        for (auto& n : clock.nanoseconds) n.store(0);
+    }
+    if (on >= 0) clock.on.store(on != 0);
+    if (out) {
+        out[0] = static_cast<double>(clock.choices.load());
+        for (int i = 0; i < STAGES; ++i) out[1 + i] = 1e-9 * static_cast<double>(clock.nanoseconds[i].load());
+    }
+    return clock.on.load() ? 1 : 0;
 }
 
 // panel_product with a chosen instruction set (wide: AVX-512, where the CPU has it), for the tests;

@@ -178,8 +178,9 @@ def test_choice_cost_times_the_choices_of_a_reply_at_each_history_and_sweep(tmp_
 def test_recall_speed_split_times_the_native_forward_pass_apart_from_the_choice_around_it(tmp_path):
     """`--split`: a native decoder's forward calls are timed by a stand-in that passes them through
     (the same logits), and each window's forward seconds are a part of its step's."""
-    from h2o_cache import Generator, StaticDecoder
-    from h2o_cache.bench.recall_speed import ForwardTimer, decode_times
+    from h2o_cache import Generator, StaticDecoder, native_recall
+    from h2o_cache.bench.recall_speed import ForwardTimer, decode_times, stage_rows
+    from h2o_cache.bench.speed import greedy_step_seconds
     from h2o_cache.quantized import kernel
     from tests.conftest import ByteTokenizer, tiny_llama
     from tests.h2o_cache.test_quantized import gguf_llama
@@ -202,6 +203,19 @@ def test_recall_speed_split_times_the_native_forward_pass_apart_from_the_choice_
         token = int(logits[0].argmax())
         timed.cache.pending, plain.cache.pending = [[token]], [[token]]
     forward: dict[str, list[float]] = {}
-    times = decode_times({"timed": timed, "plain": plain}, reps=3, steps=4, forward=forward)
+    stages: dict[str, dict[str, float]] = {}
+    times = decode_times({"timed": timed, "plain": plain}, reps=3, steps=4, forward=forward, stages=stages)
     assert list(forward) == ["timed"] and len(forward["timed"]) == 3  # only a decoder with a stand-in
     assert all(0 < f < t for f, t in zip(forward["timed"], times["timed"]))
+    # the kernel's choices in each decoder's windows, by stage: one a step (recall_interval 1), each
+    # decoder's counted apart, a choice's stages within its window's time
+    assert set(stages) == {"timed", "plain"}
+    for name, counted in stages.items():
+        assert counted["choices"] == 3 * 4
+        choice = sum(counted[stage] for stage in native_recall.STAGES)
+        assert 0 < choice < sum(times[name]) * 4
+    rows = stage_rows(stages, batch=1, steps=3 * 4)
+    assert [row[:2] for row in rows] == [["batch 1, timed", 1.0], ["batch 1, plain", 1.0]]
+    left = native_recall.stages()
+    greedy_step_seconds(timed.step, timed.cache, 2)  # counting was left off: these choices are not counted
+    assert native_recall.stages() == left

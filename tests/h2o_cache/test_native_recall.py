@@ -787,3 +787,25 @@ def test_a_decode_choice_made_again_with_its_kept_choice_ends_as_one_made_the_wh
     rope = again.spec.rope  # a RoPE table grown (replaced) since: built again
     rope.get(2 * rope.cos.shape[0])
     assert not choose_again(again, 0, again._queries, scaling, voters, margin)
+
+
+def test_decode_choices_are_timed_by_stage_only_while_counting_is_on():
+    model = tiny_llama(init_std=0.3)
+    gen, cache = conversation(model)
+    if not native_recall.supports(cache):
+        pytest.skip("no C++ compiler: the recall kernel is not built")
+    try:
+        native_recall.stages(True)
+        for _ in range(3):
+            recall.refresh(cache, cache._queries, cache.spec.scaling, [0])
+        counted = native_recall.stages(False)
+        assert counted["choices"] == 3
+        # every stage ran (the archive holds more blocks than the candidates: the bound too), each
+        # timed apart, none counted twice
+        assert all(counted[stage] > 0 for stage in native_recall.STAGES), counted
+        recall.refresh(cache, cache._queries, cache.spec.scaling, [0])  # off: nothing more counted
+        assert native_recall.stages() == counted
+        native_recall.stages(True)  # on again: from zero
+        assert native_recall.stages(False) == dict.fromkeys(("choices", *native_recall.STAGES), 0.0)
+    finally:
+        native_recall.stages(False)
