@@ -786,12 +786,20 @@ void bound_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
     s.logits.resize(padded * M);
     float* logits = s.logits.data();
     const auto block = [at](int64_t n) { return at ? at[n] : n; };
-    if (c.lo == c.hi)
-        key_logits(s.queries.data(), G, D, M, [&](int64_t n) { return lo + block(n) * D; }, false, logits);
-    else
+    if (c.lo == c.hi) {  // the digests fetched `ahead` blocks early, as the exact stage's keys
+        constexpr int64_t ahead = 32;
+        key_logits(s.queries.data(), G, D, M, [&](int64_t n) {
+            if (n % 4 == 0 && n + ahead + 4 <= M)
+                for (int64_t j = 0; j < 4; ++j)
+                    for (int64_t i = 0; i < D; i += 32)
+                        _mm_prefetch(reinterpret_cast<const char*>(lo + block(n + ahead + j) * D + i), _MM_HINT_T0);
+            return lo + block(n) * D;
+        }, false, logits);
+    } else {
         score_items(G, M, M, logits, [&](int64_t g, int64_t n) {
             return bound4(lo + block(n) * D, hi + block(n) * D, positive + g * D, negative + g * D, D);
         });
+    }
     for (int64_t g = 0; g < G; ++g) softmax_into(logits + g * M, M, static_cast<float>(c.scaling), mass);
 }
 
@@ -831,8 +839,19 @@ void exact_part(const Choice& c, int64_t head, int64_t g0, int64_t g1, const int
     const uint16_t* keys = c.half + head * c.capacity * D;
     s.logits.resize(G * K);
     float* logits = s.logits.data();
-    if (!keys_at) {  // every key, in storage order: the hardware prefetcher follows
-        key_logits(q, G, D, K, [&](int64_t k) { return keys + k * D; }, c.half_bf16, logits);
+    if (!keys_at) {  // every key, in storage order, fetched `ahead` keys early: the hardware prefetcher
+        // stops at each 4 KB page and ramps up again after it, and the keys are cold after the step (a
+        // head's 1,808 keys after 64 MB of other reads: 51 us without, 32 us with; 16 to 128 ahead alike)
+        constexpr int64_t ahead = 32;
+        const int64_t* origins = c.origins + head * c.capacity;  // read after this stage, `rank_head`
+        key_logits(q, G, D, K, [&](int64_t k) {
+            if (k % 4 == 0 && k + ahead + 4 <= K) {
+                for (int64_t i = 0; i < 4 * D; i += 32)
+                    _mm_prefetch(reinterpret_cast<const char*>(keys + (k + ahead) * D + i), _MM_HINT_T0);
+                if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(origins + k + ahead), _MM_HINT_T0);
+            }
+            return keys + k * D;
+        }, c.half_bf16, logits);
     } else {
         // the candidates' blocks are scattered over an archive larger than the caches: each is fetched
         // `ahead` blocks before it is needed, with its origins (read after this stage, `rank_head`)
