@@ -70,7 +70,7 @@ class WindowCopy:
     layout places them, values), for
     the CPU's native decode step, which reads it instead of the fp32 window slots: the window's 128
     slots are a third of what a step reads of the cache, and at batch 8 about half of what they cost
-    is reading them (`static.WINDOW_COPY_MIN_ROWS`: below 4 rows reading fp32 is faster). The copy
+    is reading them (`static.WINDOW_COPY_MIN_ROWS`, now every batch: 0.95-0.97x a step at batch 1-2). The copy
     is exact (a window holds fp16 values in fp32: `stored`). The kernel's choices and placements,
     which change the windows at every choice and eviction, write the copy as they write the window;
     whatever else writes a row's window (the torch ops, a window that grows, a row copied in) marks

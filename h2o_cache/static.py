@@ -44,12 +44,15 @@ log = logging.getLogger(__name__)
 # Above this many rows MKL's fp32 products beat the quantized kernel called op by op on a 2-core AVX2
 # CPU (`python -m h2o_cache.bench.speed --only fast-vs-eager`); the native step beats them at any size.
 QUANTIZED_MAX_ROWS = 16
-# From this many rows in a bucket the native step reads the recall windows from their fp16 copy: below
-# it the rows' cache fits the CPU's last-level cache and widening fp16 costs more than the bytes it
-# saves (30 layers of attention over 256 + 128 slots on the 2-core Zen 5, C++ outside the repo: 1 row
-# 0.66 ms with the copy against 0.55 without, 2 rows 1.46 against 1.26, 4 rows 3.1 both, 8 rows
-# 5.5 against 5.9). The copy is exact, so the choice changes no result.
-WINDOW_COPY_MIN_ROWS = 4
+# From this many rows in a bucket the native step reads the recall windows from their fp16 copy. It was
+# 4 while one row's attention read its rows cold, page by page, where widening fp16 cost about what the
+# bytes saved (30 layers of attention over 256 + 128 slots on the 2-core Zen 5, C++ outside the repo: 1
+# row 0.66 ms with the copy against 0.55 without, 2 rows 1.46 against 1.26, 4 rows 3.1 both, 8 rows 5.5
+# against 5.9). Since attention fetches its rows ahead (`kernels/cpu_decode.cpp`, ATTENTION_AHEAD) the
+# bytes are what it waits for: with the copy a recall step took 0.954-0.965x as long at batch 1 and 0.954x
+# at batch 2 (the 2-vCPU Intel VM, in one process, toggled between windows of 32 steps, 12-20 rounds).
+# The copy is exact, so the choice changes no result.
+WINDOW_COPY_MIN_ROWS = 1
 
 
 def buckets(max_rows: int) -> list[int]:

@@ -737,6 +737,11 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
     rotated keys and values bit for bit (they are fp16 values: `recall.stored`), and the step's logits
     are the torch ops' over the fp32 window. With ranks too the copy holds the text layout's rotated
     keys (a row that reads at ranks rotates its keys as fed itself and reads only the copy's values)."""
+    # every bucket reads the copy by default (`static.WINDOW_COPY_MIN_ROWS` 1); from 2 here, so that a
+    # bucket of 1 reads the fp32 window and the step switches between the two
+    import h2o_cache.static as static
+
+    monkeypatch.setattr(static, "WINDOW_COPY_MIN_ROWS", 2)
     config = recall_config(recall_interval=3, recall_positions=positions)
     gen = Generator(gguf_model, ByteTokenizer(), config)
     native = StaticDecoder(gguf_model, config, max_rows=4, exact=True)
