@@ -332,7 +332,7 @@ inline float dot(const float* a, const T* b, int64_t d) {
 // Rows of keys or values an attention loop fetches ahead of the one it reads. A KV head's rows are one
 // run of 48-96 KB a layer, cold after the layers between, and the hardware prefetcher stops at every
 // 4 KB page and starts again slowly: fetched 32 rows ahead, a decode step took 0.94x as long at batch 1
-// and 0.89-0.90x at batch 8 (the default model, in one process, toggled between windows of 32 steps).
+// and 0.90-0.91x at batch 8 (the default model, in one process, toggled between windows of 32 steps).
 constexpr int64_t ATTENTION_AHEAD = 32;
 
 // Fetches `bytes` from `row` (a row `ATTENTION_AHEAD` ahead) into the caches; reads nothing.
