@@ -159,11 +159,7 @@ inline void dense_rows(const uint8_t* rows, int64_t blocks, float* dense, const 
 // A step reads its ~100 MB of weights once, from memory, row after row; the hardware prefetcher alone
 // left a batch-1 step waiting on memory (3 GB/s): each row asks for the one PREFETCH_ROWS ahead (a
 // prefetch past the end of the matrix is harmless: prefetches never fault).
-constexpr int64_t PREFETCH_ROWS = 16;
-
-inline void prefetch_row(const uint8_t* row, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
-}
+constexpr int64_t PREFETCH_ROWS = 16;  // `prefetch_row` (vector_math.h)
 
 // Weight rows go DENSE_ROWS at a time through `dense_rows` once x has DENSE_MIN_B rows or more;
 // with fewer, each block is dequantized in registers for one or two rows of x (`tile`).
@@ -335,11 +331,6 @@ inline float dot(const float* a, const T* b, int64_t d) {
 // and 0.90-0.91x at batch 8 (the default model, in one process, toggled between windows of 32 steps).
 constexpr int64_t ATTENTION_AHEAD = 32;
 
-// Fetches `bytes` from `row` (a row `ATTENTION_AHEAD` ahead) into the caches; reads nothing.
-inline void fetch_row(const void* row, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(row) + b, _MM_HINT_T0);
-}
-
 // p[g * stride + t] = scale * (q_g . key t) for the GQ queries q_g = q + g d and the keys t in
 // [from, to) (rows of `keys`, fp32 or fp16, d apart; d a multiple of 8): a KV head's query group at
 // once, so each key is read (and widened) once for the group, not once per query.
@@ -353,7 +344,7 @@ inline void group_logits(const float* q, const T* keys, int64_t from, int64_t to
         for (int g = 0; g < GQ; ++g)
             for (int k = 0; k < 4; ++k) a[g][k] = _mm256_setzero_ps();
         const T* key = keys + t * d;
-        if (t + ATTENTION_AHEAD + 4 <= to) fetch_row(keys + (t + ATTENTION_AHEAD) * d, 4 * d * sizeof(T));
+        if (t + ATTENTION_AHEAD + 4 <= to) prefetch_row(keys + (t + ATTENTION_AHEAD) * d, 4 * d * sizeof(T));
         for (int64_t i = 0; i < d; i += 8) {
             __m256 qi[GQ];
             for (int g = 0; g < GQ; ++g) qi[g] = _mm256_loadu_ps(q + g * d + i);
@@ -380,7 +371,7 @@ inline void group_weighted_add(const float* p, int64_t stride, const T* values, 
     for (int64_t t = from; t < to; ++t) {
         const T* v = values + t * d + i;
         if (i == 0 && t + ATTENTION_AHEAD < to)  // the first chunk's pass: the rows' other chunks follow it
-            fetch_row(values + (t + ATTENTION_AHEAD) * d, d * sizeof(T));
+            prefetch_row(values + (t + ATTENTION_AHEAD) * d, d * sizeof(T));
         __m256 pt[GQ];
         for (int g = 0; g < GQ; ++g) pt[g] = _mm256_set1_ps(p[g * stride + t]);
         for (int j = 0; j < W; ++j) {
