@@ -392,8 +392,9 @@ class H2OCache:
         chose: list[int] = []
         try:
             few = {row for row in due if self.due[row] == INTERVAL}  # by the votes of `recall_voters`' layers
+            burst = {row for row in due if self.due[row] == BURST}  # by `recall_burst_voters`' layers
             recall.refresh(self, self._queries if queries is None else queries, self.spec.scaling, due, done=chose,
-                           few=few)
+                           few=few, burst=burst)
         finally:
             for row in chose:
                 self.due[row] = 0
