@@ -14,28 +14,64 @@ choices (`CacheConfig.recall_sweep`; 0: every choice ranks every block), `--vari
 CacheConfig fields changed (where a reply's time goes: `recall_burst=0`, `recall_positions=text`, ...).
 
     python -m h2o_cache.bench.flat --histories 2048 8192 16000 --digests mean --sweeps 0
+    python -m h2o_cache.bench.flat --histories 2048 16000 --reps 3 --phases
+
+`--phases` also times each step of the replies alone and prints the medians by phase of a reply
+(its first step, the rest of the burst, the steps at ranks after it, the others), each with its
+native forward pass apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from dataclasses import replace
 
 import torch
 
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.common import add_model_args, config_field, data_path, load, markdown_table, read_text
-from h2o_cache.bench.recall_speed import conversation_row, decoder_of
+from h2o_cache.bench.recall_speed import ForwardTimer, conversation_row, decoder_of
 from h2o_cache.bench.speed import greedy_step_seconds
 from h2o_cache.config import DIGESTS
 
 
-def reply_seconds(gen: Generator, config: CacheConfig, history, turn: list[int], steps: int) -> float:
+def reply_seconds(gen: Generator, config: CacheConfig, history, turn: list[int], steps: int,
+                  phases: dict[str, list[tuple[float, float]]] | None = None) -> float:
     """Mean seconds per token of one reply: a batch-1 decoder on a copy of `history` takes `turn` as a
-    prompt and decodes `steps` greedy tokens (only the decoding is timed)."""
+    prompt and decodes `steps` greedy tokens (only the decoding is timed). With `phases`, each step is
+    timed alone instead, and (seconds, of them in the native forward pass) added to its phase's list
+    (`phase_of`)."""
     decoder = decoder_of(gen, config, history, turn, 1, 0)
-    return greedy_step_seconds(decoder.step, decoder.cache, steps)
+    if phases is None:
+        return greedy_step_seconds(decoder.step, decoder.cache, steps)
+    timer = decoder.native = ForwardTimer(decoder.native) if decoder.native is not None else None
+    cache, total = decoder.cache, 0.0
+    for step in range(steps):
+        if timer is not None:
+            timer.seconds = 0.0
+        began = time.perf_counter()
+        cache.pending = [[t] for t in decoder.step().argmax(dim=-1).tolist()]
+        seconds = time.perf_counter() - began
+        total += seconds
+        phases.setdefault(phase_of(config, step), []).append((seconds, timer.seconds if timer is not None else 0.0))
+    return total / steps
+
+
+PHASES = ("first", "burst", "ranks", "after")
+
+
+def phase_of(config: CacheConfig, step: int) -> str:
+    """Where a reply's decode step falls by what recall does in it, by the default recall configuration's
+    counts whatever `config` (so that recall off's steps line up): the reply's first step (the choice by
+    its question), the rest of the burst (every step chooses by all layers' votes), the steps after it
+    that still read held keys at their ranks (`recall_rank_steps`), and the steps after those."""
+    if step == 0:
+        return "first"
+    if step < CacheConfig.recall_burst:
+        return "burst"
+    return "ranks" if CacheConfig.recall_rank_steps and step < CacheConfig.recall_rank_steps else "after"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,6 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="*", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                         help="also time recall with these CacheConfig fields changed, one configuration each, e.g. "
                              "recall_burst=0 recall_positions=text,recall_burst=0 (where a reply's time goes)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print each configuration's time per step by phase of the reply (its first step, "
+                             "the rest of the burst, the steps reading ranks after it, the others), with the native "
+                             "forward pass's share: where a reply's time goes (each step timed alone)")
     add_model_args(parser)
     args = parser.parse_args(argv)
     histories = sorted(set(args.histories))
@@ -92,10 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     configs.update(variants)
     rows = {(name, n): conversation_row(gen, config, tokens[:n]) for name, config in configs.items() for n in histories}
     times: dict[tuple[str, int], list[float]] = {key: [] for key in rows}
+    phases: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {key: {} for key in rows}
     for rep in range(args.reps):
         turn = tokens[histories[-1] + rep * args.turn:histories[-1] + (rep + 1) * args.turn]  # new words each reply
         for (name, n), row in rows.items():
-            times[name, n].append(reply_seconds(gen, configs[name], row, turn, args.reply))
+            times[name, n].append(reply_seconds(gen, configs[name], row, turn, args.reply,
+                                                phases[name, n] if args.phases else None))
     table = []
     for name in configs:
         first = statistics.median(times[name, histories[0]])
@@ -109,6 +151,21 @@ def main(argv: list[str] | None = None) -> None:
          "/ recall off (median of the reps' ratios)"], table,
         f"Time per token of a {args.reply}-token reply to a {args.turn}-token turn, batch 1, medians of {args.reps} "
         f"interleaved replies: {args.threads} threads, {gen.spec.device.type}, budget {args.budget}, text {args.text}"))
+    if args.phases:
+        table = []
+        for (name, n), by_phase in phases.items():
+            cells = []
+            for phase in PHASES:
+                timed = by_phase.get(phase, [])
+                cells.append(f"{1e3 * statistics.median(t for t, _ in timed):.2f} "
+                             f"({1e3 * statistics.median(f for _, f in timed):.2f})" if timed else "")
+            table.append([name, n, *cells])
+        print()
+        print(markdown_table(["", "history, tokens", *[f"{p}, ms (forward pass)" for p in PHASES]], table,
+                             f"Each step of those replies timed alone, medians by phase: the first step (step 0), the "
+                             f"rest of the burst (1-{CacheConfig.recall_burst - 1}: every layer votes), the steps that read "
+                             f"held keys at their ranks after it ({CacheConfig.recall_burst}-{CacheConfig.recall_rank_steps - 1}), "
+                             f"the others; in brackets the native forward pass alone"))
 
 
 if __name__ == "__main__":

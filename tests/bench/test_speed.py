@@ -159,6 +159,26 @@ def test_flat_times_replies_at_each_history_with_ratios_to_the_shortest(tmp_path
             flat.main(["--model", str(tmp_path), "--text", "random", "--histories", "60", "--variants", bad])
 
 
+def test_flat_phases_split_each_replys_steps_by_what_recall_does_in_them(tmp_path, capsys):
+    """`--phases`: every step of a 40-step reply lands in one phase (step 0; 1-15 the burst; 16-31 at
+    ranks; 32-39 after), each with a time and a forward pass no longer than it."""
+    from h2o_cache.bench import flat, random_model
+
+    assert [flat.phase_of(CacheConfig(), step) for step in (0, 1, 15, 16, 31, 32)] == [
+        "first", "burst", "burst", "ranks", "ranks", "after"]
+    random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
+    flat.main(["--model", str(tmp_path), "--text", "random", "--budget", "32", "--recall", "16",
+               "--histories", "80", "--turn", "8", "--reply", "40", "--reps", "1", "--phases"])
+    out = capsys.readouterr().out
+    table = out[out.index("Each step of those replies"):]
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| recall")]
+    assert [row[:2] for row in rows] == [["recall off", "80"], ["recall 16, digest centre, sweep 512 (default)", "80"]]
+    for row in rows:
+        for cell in row[2:]:
+            step, forward = (float(x.strip("()")) for x in cell.split())
+            assert step > 0 and 0 <= forward <= step
+
+
 def test_choice_cost_times_the_choices_of_a_reply_at_each_history_and_sweep(tmp_path, capsys):
     from h2o_cache.bench import choice_cost, random_model
 
