@@ -392,9 +392,8 @@ class H2OCache:
         chose: list[int] = []
         try:
             few = {row for row in due if self.due[row] == INTERVAL}  # by the votes of `recall_voters`' layers
-            burst = {row for row in due if self.due[row] == BURST}  # by `recall_burst_voters`' layers
             recall.refresh(self, self._queries if queries is None else queries, self.spec.scaling, due, done=chose,
-                           few=few, burst=burst)
+                           few=few)
         finally:
             for row in chose:
                 self.due[row] = 0

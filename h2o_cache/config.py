@@ -59,9 +59,7 @@ class CacheConfig:
     recall_voters: the layers whose heads' attention votes in the choices every `recall_interval`
         after a reply's burst, evenly spaced (`voter_layers`): only their keys are read, and every head
         of every layer takes its tokens by their votes (0, or the model's layers: all of them; a
-        reply's first `recall_burst` choices pool the votes of `recall_burst_voters`).
-    recall_burst_voters: the layers whose votes choose in a reply's burst after its first choice (which
-        always pools every layer's), evenly spaced as `recall_voters`' (0: all of them), with no margin.
+        reply's first `recall_burst` choices always pool every layer's votes).
     recall_margin: in a decode step's choice after the burst, each head ranks the tokens its window
         holds with their votes times 1 + recall_margin, so a held token stays unless a token not held
         beats it by that margin: fewer of the window's slots are rewritten at each choice (0: by the
@@ -138,10 +136,6 @@ class CacheConfig:
     # torch ops: 3.435 vs 3.436); a choice reads a sixth of the keys, but its tokens' copies stay:
     # ~1.9 ms in a batch-1 loop against ~2.7 ms
     recall_voters: int = 5
-    # measured (RESULTS.md, "What a reply's steps cost"): 5 make a 64-token reply at a 16k history 1.07x
-    # its cost at 2k (all: 1.32x), but find a code said once in 2k-token messages 12 times in 24 (10: 11;
-    # all: 15), so the burst keeps every layer voting
-    recall_burst_voters: int = 0
     # measured: halves the slots a choice rewrites (4,326 -> 2,128 a step) at the same NLL at every step
     # (3.4366 vs 3.4363 with all layers voting and no margin)
     recall_margin: float = 0.3
@@ -165,13 +159,12 @@ class CacheConfig:
     recall_positions: str = "rank"
     recall_rank_steps: int | None = 32
 
-    def voter_layers(self, layers: int, voters: int | None = None) -> list[int] | None:
+    def voter_layers(self, layers: int) -> list[int] | None:
         """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
-        the middle layer of each of `recall_voters` (or `voters`) equal spans (None: every layer)."""
-        voters = self.recall_voters if voters is None else voters
-        if not voters or voters >= layers:
+        the middle layer of each of `recall_voters` equal spans (None: every layer)."""
+        if not self.recall_voters or self.recall_voters >= layers:
             return None
-        return [(2 * i + 1) * layers // (2 * voters) for i in range(voters)]
+        return [(2 * i + 1) * layers // (2 * self.recall_voters) for i in range(self.recall_voters)]
 
     def choice_interval(self, rows: int) -> int:
         """Decode passes between two choices of a row's window when `rows` rows decode together."""
@@ -199,8 +192,6 @@ class CacheConfig:
                 raise ValueError(f"recall_interval_max must be >= 1, got {self.recall_interval_max}")
             if self.recall_voters < 0:
                 raise ValueError(f"recall_voters must be >= 0, got {self.recall_voters}")
-            if self.recall_burst_voters < 0:
-                raise ValueError(f"recall_burst_voters must be >= 0, got {self.recall_burst_voters}")
             if not self.recall_margin >= 0:
                 raise ValueError(f"recall_margin must be >= 0, got {self.recall_margin}")
             if self.recall_queries is not None and self.recall_queries < 1:

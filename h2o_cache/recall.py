@@ -135,8 +135,7 @@ def newest_blocks(cache: H2OCache, row: int) -> None:
 
 @torch.no_grad()
 def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int] | None = None,
-            done: list[int] | None = None, few: set[int] | frozenset[int] = frozenset(),
-            burst: set[int] | frozenset[int] = frozenset()) -> None:
+            done: list[int] | None = None, few: set[int] | frozenset[int] = frozenset()) -> None:
     """Between decode steps: widen the window of every row of `rows` (default all) that can grow, then
     fill it with what the row's queries ([L, B, H_q, D] before RoPE, one token per row) point at
     (`choose_rows`: the rows' windows written together where the kernel chooses for a device; the rows
@@ -144,7 +143,7 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     choice raises ends the call, and a window it grew holds the archive's newest blocks."""
     rows = list(range(cache.batch_size) if rows is None else rows)
     if len(rows) < max(2, torch.get_num_threads()):  # rows choosing one after the other (`choose_rows`):
-        rows = _again(cache, queries, scaling, rows, done, few, burst)  # each, where it can, as its last one was made
+        rows = _again(cache, queries, scaling, rows, done, few)  # each, where it can, as its last one was made
         if not rows:
             return
     grown = [row for row in rows if grow(cache, row, fill_newest=False)]  # the choice writes every slot of it
@@ -156,7 +155,7 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
     else:
         asked_queries = [(row, queries[:, row, :, None]) for row in asked]
     try:
-        choose_rows(cache, asked_queries, scaling, everywhere=True, done=chose, few=few, burst=burst)
+        choose_rows(cache, asked_queries, scaling, everywhere=True, done=chose, few=few)
     except Exception:
         for row in grown:
             if row not in chose:
@@ -168,13 +167,14 @@ def refresh(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[i
 
 
 def _again(cache: H2OCache, queries: torch.Tensor, scaling: float, rows: list[int], done: list[int] | None,
-           few: set[int] | frozenset[int], burst: set[int] | frozenset[int] = frozenset()) -> list[int]:
+           few: set[int] | frozenset[int]) -> list[int]:
     """Make the decode choice of each of `rows` that can be made as its last one was
     (`native_recall.choose_again`: nothing it was built from has changed, so the window cannot grow,
     and the kernel chooses); those go to `done`. Returns the others, in order."""
+    few_layers = cache.config.voter_layers(cache.spec.num_layers) if few else None
     rest = []
     for row in rows:
-        voters, margin = decode_votes(cache, row, few, burst)
+        voters, margin = (few_layers, cache.config.recall_margin) if row in few else (None, 0.0)
         if native_recall.choose_again(cache, row, queries, scaling, voters, margin):
             if done is not None:
                 done.append(row)
@@ -198,7 +198,7 @@ def choose(cache: H2OCache, row: int, queries: torch.Tensor, scaling: float, lay
 @torch.no_grad()
 def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling: float, layers: slice = slice(None),
                 everywhere: bool = False, per_layer: bool = False, done: list[int] | None = None,
-                few: set[int] | frozenset[int] = frozenset(), burst: set[int] | frozenset[int] = frozenset()) -> None:
+                few: set[int] | frozenset[int] = frozenset()) -> None:
     """`choose` for each (row, queries) of `asked`, in turn. Where the kernel chooses for a window it
     cannot write (a GPU's: `native_recall.ranks`), it names each row's new tokens and the windows of
     all the rows are written together after (`write_rows`: on a GPU two uploads and one set of ops,
@@ -208,10 +208,9 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
     The rows that chose go to `done`; a row that raises ends the call, after the windows of the rows
     before it are written."""
     kernel_chooses = (everywhere and layers == slice(None)) or (not everywhere and not per_layer and (layers.step or 1) == 1)
-    whole = everywhere and layers == slice(None)  # a decode choice over all layers
-    votes = {row: decode_votes(cache, row, few, burst) if whole else (None, 0.0) for row, _ in asked}
-    voters = {row: v for row, (v, _) in votes.items()}  # None: every layer of `layers` votes
-    margins = {row: m for row, (_, m) in votes.items()}
+    few_layers = cache.config.voter_layers(cache.spec.num_layers) if everywhere and layers == slice(None) else None
+    voters = {row: few_layers if row in few else None for row, _ in asked}  # None: every layer of `layers` votes
+    margins = {row: cache.config.recall_margin if everywhere and row in few else 0.0 for row, _ in asked}
     if everywhere and kernel_chooses and native_recall.supports(cache) and len(asked) >= max(2, torch.get_num_threads()):
         grouped = [(row, by_kv_head(cache, queries)) for row, queries in asked if cache.recalled[row]]
         if done is not None:
@@ -245,19 +244,6 @@ def choose_rows(cache: H2OCache, asked: list[tuple[int, torch.Tensor]], scaling:
                 done.append(row)
     finally:
         write_rows(cache, pending, layers)
-
-
-def decode_votes(cache: H2OCache, row: int, few: set[int] | frozenset[int],
-                 burst: set[int] | frozenset[int]) -> tuple[list[int] | None, float]:
-    """(the voting layers, the margin) of a row's decode choice over all layers: after the burst (`few`)
-    `recall_voters`' layers and `recall_margin`; in the burst `recall_burst_voters`' layers, no margin;
-    a reply's first choice every layer, no margin."""
-    config, layers = cache.config, cache.spec.num_layers
-    if row in few:
-        return config.voter_layers(layers), config.recall_margin
-    if row in burst:
-        return config.voter_layers(layers, config.recall_burst_voters), 0.0
-    return None, 0.0
 
 
 def by_kv_head(cache: H2OCache, queries: torch.Tensor) -> torch.Tensor:

@@ -134,10 +134,6 @@ class ServerSettings(BaseSettings):
         5, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
                                       "after --recall-burst: only their archived keys are read, and every layer takes "
                                       "its tokens by their votes (0: all layers)")
-    recall_burst_voters: int = Field(
-        0, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of a reply's "
-                                      "--recall-burst after its first (0: all layers; the reply's first choice always "
-                                      "pools all)")
     recall_sweep: int = Field(
         512, ge=0, le=10_000_000, description="a reply's decode choices after its first rank by their digests only the "
                                               "archived blocks each head chose last time, those its reply's first "
@@ -239,7 +235,6 @@ class ServerSettings(BaseSettings):
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
-                           recall_burst_voters=self.recall_burst_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,
                            recall_overlap=self.recall_overlap, recall_margin=self.recall_margin,
                            recall_sweep=self.recall_sweep)

@@ -161,35 +161,6 @@ def test_the_kernel_chooses_by_the_votes_of_a_few_layers_as_the_torch_ops_do(vot
     assert differs >= 3 if layers is not None else differs == 0
 
 
-def test_a_bursts_choices_vote_by_recall_burst_voters_and_a_replys_first_by_every_layer():
-    """`recall_burst_voters`: a choice in a reply's burst (`burst`) pools the votes of that many layers
-    (of 4, 1: layer 2) with no margin, in the kernel as in the torch ops, and chooses as a choice after
-    the burst by those voters and no margin does; the reply's first choice (neither set) still pools
-    every layer's votes; 0 (the default) keeps every layer voting in the burst."""
-    model = tiny_llama(heads=4, kv_heads=2, init_std=0.3, layers=4)
-    gen, cache = conversation(model, recall_burst_voters=1)
-    if not native_recall.supports(cache):
-        pytest.skip("no C++ compiler: the recall kernel is not built")
-    assert cache.config.voter_layers(4, cache.config.recall_burst_voters) == [2]
-    kernel, torch_ops = twin(gen, cache, recall_kernel=True), twin(gen, cache, recall_kernel=False)
-    voters_alone = twin(gen, cache, recall_voters=1, recall_margin=0.0)  # a choice after the burst, layer 2
-    first, everyone = twin(gen, cache), twin(gen, cache, recall_burst_voters=0)
-    generator = torch.Generator().manual_seed(6)
-    differs = 0
-    for noise in (0.0, 0.5, 1.0, 2.0, 4.0):
-        asked = cache._queries + noise * torch.randn(cache._queries.shape, generator=generator)
-        for copy in (kernel, torch_ops):
-            recall.refresh(copy, asked, copy.spec.scaling, [0], burst={0})
-        recall.refresh(voters_alone, asked, voters_alone.spec.scaling, [0], few={0})
-        recall.refresh(everyone, asked, everyone.spec.scaling, [0], burst={0})
-        recall.refresh(first, asked, first.spec.scaling, [0])
-        assert_same_windows(model, kernel, torch_ops)
-        assert torch.equal(kernel.windows[0][1], voters_alone.windows[0][1])
-        assert torch.equal(first.windows[0][1], everyone.windows[0][1])
-        differs += not torch.equal(kernel.windows[0][1], everyone.windows[0][1])
-    assert differs >= 3
-
-
 @pytest.fixture(params=[True, False], ids=["tile-unit", "fma"])
 def products(request):
     """A prefill choice's products on the tile unit (AMX, where this CPU has it) or as fused
