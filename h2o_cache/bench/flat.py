@@ -55,16 +55,16 @@ def reply_seconds(gen: Generator, config: CacheConfig, history, turn: list[int],
         cache.pending = [[t] for t in decoder.step().argmax(dim=-1).tolist()]
         seconds = time.perf_counter() - began
         total += seconds
-        phases.setdefault(phase_of(config, step), []).append((seconds, timer.seconds if timer is not None else 0.0))
+        phases.setdefault(phase_of(step), []).append((seconds, timer.seconds if timer is not None else 0.0))
     return total / steps
 
 
 PHASES = ("first", "burst", "ranks", "after")
 
 
-def phase_of(config: CacheConfig, step: int) -> str:
+def phase_of(step: int) -> str:
     """Where a reply's decode step falls by what recall does in it, by the default recall configuration's
-    counts whatever `config` (so that recall off's steps line up): the reply's first step (the choice by
+    counts whatever the configuration timed (so that recall off's steps line up): the reply's first step (the choice by
     its question), the rest of the burst (every step chooses by all layers' votes), the steps after it
     that still read held keys at their ranks (`recall_rank_steps`), and the steps after those."""
     if step == 0:

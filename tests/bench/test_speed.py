@@ -164,7 +164,7 @@ def test_flat_phases_split_each_replys_steps_by_what_recall_does_in_them(tmp_pat
     ranks; 32-39 after), each with a time and a forward pass no longer than it."""
     from h2o_cache.bench import flat, random_model
 
-    assert [flat.phase_of(CacheConfig(), step) for step in (0, 1, 15, 16, 31, 32)] == [
+    assert [flat.phase_of(step) for step in (0, 1, 15, 16, 31, 32)] == [
         "first", "burst", "burst", "ranks", "ranks", "after"]
     random_model.main([str(tmp_path), "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2"])
     flat.main(["--model", str(tmp_path), "--text", "random", "--budget", "32", "--recall", "16",
