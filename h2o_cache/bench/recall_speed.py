@@ -86,14 +86,19 @@ class ForwardTimer:
 
 def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int,
                  forward: dict[str, list[float]] | None = None,
-                 stages: dict[str, dict[str, float]] | None = None) -> dict[str, list[float]]:
+                 stages: dict[str, dict[str, float]] | None = None, warm: int = 0) -> dict[str, list[float]]:
     """Mean seconds per step of each decoder over `reps` interleaved windows of `steps` greedy steps;
     with `forward`, also each window's mean seconds in the forward pass of decoders whose native step is
     a `ForwardTimer`; with `stages`, also each decoder's kernel choices timed by stage
-    (`native_recall.stages`), summed over its windows."""
+    (`native_recall.stages`), summed over its windows. With `warm`, each window first runs that many
+    greedy steps untimed, so that the steps timed are the steady ones: a decoder's first steps after
+    another decoder's window run slower (on the default model at batch 1, 11-13 ms for the first and
+    ~20 steps to settle, against a steady 4.6-6.8 ms in one run), and a short window averages that in."""
     times = {name: [] for name in decoders}
     for _ in range(reps):
         for name, decoder in decoders.items():
+            if warm:
+                greedy_step_seconds(decoder.step, decoder.cache, warm)
             timer = decoder.native if isinstance(decoder.native, ForwardTimer) else None
             if timer is not None:
                 timer.seconds = 0.0
@@ -208,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7, help="0: time the prefill only")
     parser.add_argument("--prefill-reps", type=int, default=2, help="0: time the decode step only")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
+    parser.add_argument("--warm-steps", type=int, default=0,
+                        help="untimed steps at the start of each window: a decoder's first steps after another's "
+                             "window are slower (e.g. 11-13 ms against a steady 4.6-6.8 at batch 1), so a window of "
+                             "--steps alone averages some of that in (0: as the target's runs so far)")
     parser.add_argument("--split", action="store_true",
                         help="also print each configuration's step split into its forward pass (the native step "
                              "alone) and the rest (the choice, evictions, sampling, Python): what recall adds to "
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.reps < 0 or args.prefill_reps < 0 or not (args.reps or args.prefill_reps):
         parser.error("--reps and --prefill-reps count repetitions (>= 0), and one of them must be at least 1")
+    if args.warm_steps < 0:
+        parser.error("--warm-steps counts steps (>= 0)")
 
     model, tokenizer = load(args)
     gen = Generator(model, tokenizer)
@@ -269,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                 if decoder.native is not None:
                     decoder.native = ForwardTimer(decoder.native)
         stages: dict[str, dict[str, float]] | None = {} if args.split else None
-        times = decode_times(decoders, args.reps, args.steps, forward, stages)
+        times = decode_times(decoders, args.reps, args.steps, forward, stages, args.warm_steps)
         if stages:
             staged += stage_rows(stages, batch, args.reps * args.steps)
         if forward:

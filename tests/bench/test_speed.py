@@ -239,3 +239,11 @@ def test_recall_speed_split_times_the_native_forward_pass_apart_from_the_choice_
     left = native_recall.stages()
     greedy_step_seconds(timed.step, timed.cache, 2)  # counting was left off: these choices are not counted
     assert native_recall.stages() == left
+    # warm steps run before each timed window, neither timed nor counted: the choices counted are the
+    # timed steps' alone, while every decoder decoded the warm steps too
+    seen = {name: d.cache.seen[0] for name, d in (("timed", timed), ("plain", plain))}
+    forward, stages = {}, {}
+    decode_times({"timed": timed, "plain": plain}, reps=2, steps=3, forward=forward, stages=stages, warm=2)
+    assert timed.cache.seen[0] - seen["timed"] == plain.cache.seen[0] - seen["plain"] == 2 * (3 + 2)
+    assert all(counted["choices"] == 2 * 3 for counted in stages.values())
+    assert len(forward["timed"]) == 2
