@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
                           1e3 * statistics.median(times[name]), ratio, "<= 1.5", "met" if ratio <= 1.5 else "MISSED"])
     print(markdown_table(["", "recall off, ms", "recall on, ms", "on / off", "target", ""], table,
                          f"Cost of recall, medians of {args.reps} interleaved repetitions "
-                         f"({args.prefill_reps} for the prefill): {setup}"))
+                         f"({args.prefill_reps} for the prefill; decode windows of {args.steps} steps, each after "
+                         f"{args.warm_steps} untimed): {setup}"))
     if split:
         print()
         print(markdown_table(["", "step, ms", "forward pass, ms", "the rest, ms", "forward pass - recall off's, ms"],
