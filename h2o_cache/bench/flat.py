@@ -33,7 +33,7 @@ import torch
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.common import add_model_args, config_field, data_path, load, markdown_table, read_text
 from h2o_cache.bench.recall_speed import ForwardTimer, conversation_row, decoder_of
-from h2o_cache.bench.speed import greedy_step_seconds
+from h2o_cache.bench.speed import greedy_step, greedy_step_seconds
 from h2o_cache.config import DIGESTS
 
 
@@ -52,7 +52,7 @@ def reply_seconds(gen: Generator, config: CacheConfig, history, turn: list[int],
         if timer is not None:
             timer.seconds = 0.0
         began = time.perf_counter()
-        cache.pending = [[t] for t in decoder.step().argmax(dim=-1).tolist()]
+        greedy_step(decoder.step, cache)
         seconds = time.perf_counter() - began
         total += seconds
         phases.setdefault(phase_of(step), []).append((seconds, timer.seconds if timer is not None else 0.0))

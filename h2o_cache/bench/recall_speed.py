@@ -36,7 +36,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder, native_recall
 from h2o_cache.bench.common import add_model_args, load, markdown_table
-from h2o_cache.bench.speed import greedy_step_seconds
+from h2o_cache.bench.speed import greedy_step, greedy_step_seconds
 
 
 def conversation_row(gen: Generator, config: CacheConfig, history: list[int]) -> H2OCache:
@@ -134,7 +134,7 @@ def step_kinds(decoder: StaticDecoder, steps: int) -> dict[str, list[float]]:
     for _ in range(steps):
         choosing, before = any(cache.due), list(cache.lengths)
         began = time.perf_counter()
-        cache.pending = [[t] for t in decoder.step().argmax(dim=-1).tolist()]
+        greedy_step(decoder.step, cache)
         elapsed = time.perf_counter() - began
         evicted = any(after < n + 1 for after, n in zip(cache.lengths, before))
         times["choosing" if choosing else "evicting" if evicted else "plain"].append(elapsed)

@@ -79,11 +79,16 @@ def step_seconds(gen: Generator, cache: H2OCache, steps: int) -> float:
     return (time.perf_counter() - began) / steps
 
 
+def greedy_step(step, cache: H2OCache) -> None:
+    """One `step()` -> logits, then the greedy tokens on the host as the cache's next pending ones."""
+    cache.pending = [[t] for t in step().argmax(dim=-1).tolist()]
+
+
 def greedy_step_seconds(step, cache: H2OCache, steps: int) -> float:
-    """Mean wall time of `step()` -> logits, then the greedy tokens on the host as the next pending ones."""
+    """Mean wall time of `steps` greedy steps (`greedy_step`)."""
     began = time.perf_counter()
     for _ in range(steps):
-        cache.pending = [[t] for t in step().argmax(dim=-1).tolist()]
+        greedy_step(step, cache)
     return (time.perf_counter() - began) / steps
 
 
