@@ -84,6 +84,16 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - began
 
 
+def rotated(decoders: dict[str, StaticDecoder], rep: int) -> list[tuple[str, StaticDecoder]]:
+    """The decoders in the order of repetition `rep`: the dict's order, begun at its (rep mod n)-th. Run
+    in one fixed order, a decoder's windows follow the same other decoder's every time, and on the
+    project's CPU VM which one went before moved a ratio by 0.1-0.15 (RESULTS.md, "Steady steps":
+    identical pairs of decoders, fixed order against alternating, 1.441 against 1.313)."""
+    items = list(decoders.items())
+    start = rep % len(items) if items else 0
+    return items[start:] + items[:start]
+
+
 def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int,
                  forward: dict[str, list[float]] | None = None,
                  stages: dict[str, dict[str, float]] | None = None, warm: int = 0) -> dict[str, list[float]]:
@@ -93,10 +103,11 @@ def decode_times(decoders: dict[str, StaticDecoder], reps: int, steps: int,
     (`native_recall.stages`), summed over its windows. With `warm`, each window first runs that many
     greedy steps untimed, so that the steps timed are the steady ones: a decoder's first steps after
     another decoder's window run slower (on the default model at batch 1, 11-13 ms for the first and
-    ~20 steps to settle, against a steady 4.6-6.8 ms in one run), and a short window averages that in."""
+    ~20 steps to settle, against a steady 4.6-6.8 ms in one run), and a short window averages that in.
+    The decoders take turns in an order rotated at each repetition (`rotated`)."""
     times = {name: [] for name in decoders}
-    for _ in range(reps):
-        for name, decoder in decoders.items():
+    for rep in range(reps):
+        for name, decoder in rotated(decoders, rep):
             if warm:
                 greedy_step_seconds(decoder.step, decoder.cache, warm)
             timer = decoder.native if isinstance(decoder.native, ForwardTimer) else None
@@ -144,8 +155,8 @@ def step_kinds(decoder: StaticDecoder, steps: int) -> dict[str, list[float]]:
 def step_table(decoders: dict[str, StaticDecoder], batch: int, reps: int, steps: int) -> list[list]:
     """Rows of medians by kind of step (`step_kinds`), the configurations interleaved `reps` times."""
     times = {name: {"plain": [], "choosing": [], "evicting": []} for name in decoders}
-    for _ in range(reps):
-        for name, decoder in decoders.items():
+    for rep in range(reps):
+        for name, decoder in rotated(decoders, rep):
             for kind, seconds in step_kinds(decoder, steps).items():
                 times[name][kind] += seconds
     table = []

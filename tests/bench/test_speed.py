@@ -247,3 +247,24 @@ def test_recall_speed_split_times_the_native_forward_pass_apart_from_the_choice_
     assert timed.cache.seen[0] - seen["timed"] == plain.cache.seen[0] - seen["plain"] == 2 * (3 + 2)
     assert all(counted["choices"] == 2 * 3 for counted in stages.values())
     assert len(forward["timed"]) == 2
+
+
+def test_recall_speed_rotates_its_decoders_order_at_each_repetition(monkeypatch):
+    """Windows in one fixed order put each decoder after the same other one every time, which moved a
+    ratio by 0.1-0.15 on the project's VM: each repetition begins one decoder further on, and every
+    decoder's windows are still timed once a repetition, under its own name."""
+    from types import SimpleNamespace
+
+    from h2o_cache.bench import recall_speed
+
+    calls = []
+
+    def timed(step, cache, steps):
+        calls.append(cache)
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[cache] + len(calls) / 100
+
+    monkeypatch.setattr(recall_speed, "greedy_step_seconds", timed)
+    decoders = {name: SimpleNamespace(step=None, cache=name, native=None) for name in "abc"}
+    times = recall_speed.decode_times(decoders, reps=4, steps=2)
+    assert "".join(calls) == "abc" "bca" "cab" "abc"
+    assert times == {"a": [1.01, 1.06, 1.08, 1.10], "b": [2.02, 2.04, 2.09, 2.11], "c": [3.03, 3.05, 3.07, 3.12]}
