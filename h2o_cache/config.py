@@ -134,8 +134,11 @@ class CacheConfig:
     # measured: continuations' NLL with 5 of 30 layers voting equals all 30's at every interval tried
     # (every 4th 3.453 vs 3.451, every 16th 3.479 vs 3.481; every step, layers 2, 8, .., 26 by the
     # torch ops: 3.435 vs 3.436); a choice reads a sixth of the keys, but its tokens' copies stay:
-    # ~1.9 ms in a batch-1 loop against ~2.7 ms
-    recall_voters: int = 5
+    # ~1.9 ms in a batch-1 loop against ~2.7 ms. Then 2 (layers 7 and 22) against 5 (RESULTS.md, "Two
+    # voting layers"): the continuations -0.0017 [-0.0102, +0.0070] nats/token on botchan.txt and
+    # -0.0008 [-0.0109, +0.0069] on XSum's articles, three secrets listed 52 of 60 against 51 (full 54),
+    # a batch-1 step 1.32x recall off at steady state against 1.41-1.53x (3 layers: +0.0074, 1: +0.0133)
+    recall_voters: int = 2
     # measured: halves the slots a choice rewrites (4,326 -> 2,128 a step) at the same NLL at every step
     # (3.4366 vs 3.4363 with all layers voting and no margin)
     recall_margin: float = 0.3

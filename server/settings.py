@@ -131,7 +131,7 @@ class ServerSettings(BaseSettings):
                                        "however many conversations decode (at or below --recall-interval: the "
                                        "interval does not grow)")
     recall_voters: int = Field(
-        5, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
+        2, ge=0, le=4096, description="layers (evenly spaced) whose attention votes in the choices of the recall window "
                                       "after --recall-burst: only their archived keys are read, and every layer takes "
                                       "its tokens by their votes (0: all layers)")
     recall_sweep: int = Field(

@@ -234,11 +234,11 @@ def test_the_fast_path_scores_as_the_transformers_path_does(tiny_model, byte_tok
 
 
 def test_the_overlap_grid_names_its_runs_and_compares_them_with_the_choices_before_the_step():
-    k = CacheConfig.recall_interval  # the default's: beside pairs with before at it
-    runs = grid(["h2o"], [256], recall=128, intervals=[k], voters=[5], overlaps=[False, True])
+    k, v = CacheConfig.recall_interval, CacheConfig.recall_voters  # the default's: beside pairs with before at it
+    runs = grid(["h2o"], [256], recall=128, intervals=[k], voters=[v], overlaps=[False, True])
     labels = [run.label for run in runs]
-    assert labels == ["full", "h2o 256", f"h2o 256 +r128 every {k} voters 5 before",
-                      f"h2o 256 +r128 every {k} voters 5 beside"]
+    assert labels == ["full", "h2o 256", f"h2o 256 +r128 every {k} voters {v} before",
+                      f"h2o 256 +r128 every {k} voters {v} beside"]
     assert [run.config.recall_overlap for run in runs[2:]] == [False, True]
     results = {label: torch.tensor([1.0 + i, 2.0]) for i, label in enumerate(labels)}
     lines = interval_differences(results, torch.tensor([4.0, 4.0]))
