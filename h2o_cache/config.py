@@ -140,8 +140,11 @@ class CacheConfig:
     # a batch-1 step 1.32x recall off at steady state against 1.41-1.53x (3 layers: +0.0074, 1: +0.0133)
     recall_voters: int = 2
     # measured: halves the slots a choice rewrites (4,326 -> 2,128 a step) at the same NLL at every step
-    # (3.4366 vs 3.4363 with all layers voting and no margin)
-    recall_margin: float = 0.3
+    # (3.4366 vs 3.4363 with all layers voting and no margin). With 5 voting layers 0.5 and 0.7 scored
+    # worse (3.4434, 3.4458 against 3.4372); with 2 (RESULTS.md, "Two voting layers") 1.0 scores as 0.3
+    # (-0.0011 [-0.0055, +0.0034] on botchan.txt, -0.0005 [-0.0054, +0.0044] on XSum's articles; three
+    # secrets 52 of 60) for a batch-1 step 0.05-0.07 cheaper
+    recall_margin: float = 1.0
     # measured: 16 of 64 prefill 1.35x recall-off, not 1.50x, but 4 facts 15/40, not 19/40; 64 of 128 (every 2nd
     # query of a body chunk, RESULTS.md "Facts said once, the question's tail, every second query") a chunk's
     # choice 2/3 of the time, but a code said once in ~4k-token messages 21/36, not 26/36

@@ -146,7 +146,7 @@ class ServerSettings(BaseSettings):
                                           "by its question, goes first); unset: all on the CPU, 1 on a GPU, where a "
                                           "choice runs on the host and costs more than a batched step (RESULTS.md)")
     recall_margin: float = Field(
-        0.3, ge=0.0, le=100.0, description="a decode step's choice after --recall-burst ranks the tokens a head's recall "
+        1.0, ge=0.0, le=100.0, description="a decode step's choice after --recall-burst ranks the tokens a head's recall "
                                            "window holds with their votes times 1 + this, so that fewer slots are "
                                            "rewritten per choice (0: by the votes alone)")
     recall_overlap: bool | None = Field(
