@@ -6,7 +6,7 @@ history less the budget, up to `--recall-archive`); then, every repetition, a fr
 takes a copy of it, prefills a `--turn`-token prompt as a turn (its last tokens choose the window, and
 the reply's first `recall_burst` steps choose with every layer's votes, as the server's do) and decodes
 `--reply` greedy steps on the fast path (`StaticDecoder`), timed; the configurations and histories are
-interleaved, `--reps` times. Printed: the median time per token of a reply at each history, and its
+interleaved, `--reps` times, each repetition begun one further on (`recall_speed.rotated`). Printed: the median time per token of a reply at each history, and its
 ratio to the shortest history's (a flat cost: ratios near 1). Recall off (h2o alone at the same
 budget) is the reference, flat by construction; `--digests` adds a recall configuration per block
 digest (`CacheConfig.recall_digest`) beside the default, `--sweeps` one per stripe of the decode
@@ -32,7 +32,7 @@ import torch
 
 from h2o_cache import CacheConfig, Generator
 from h2o_cache.bench.common import add_model_args, config_field, data_path, load, markdown_table, read_text
-from h2o_cache.bench.recall_speed import ForwardTimer, conversation_row, decoder_of
+from h2o_cache.bench.recall_speed import ForwardTimer, conversation_row, decoder_of, rotated
 from h2o_cache.bench.speed import greedy_step, greedy_step_seconds
 from h2o_cache.config import DIGESTS
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     phases: dict[tuple[str, int], dict[str, list[tuple[float, float]]]] = {key: {} for key in rows}
     for rep in range(args.reps):
         turn = tokens[histories[-1] + rep * args.turn:histories[-1] + (rep + 1) * args.turn]  # new words each reply
-        for (name, n), row in rows.items():
+        for (name, n), row in rotated(rows, rep):
             times[name, n].append(reply_seconds(gen, configs[name], row, turn, args.reply,
                                                 phases[name, n] if args.phases else None))
     table = []

@@ -31,12 +31,15 @@ import argparse
 import statistics
 import time
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder, native_recall
 from h2o_cache.bench.common import add_model_args, load, markdown_table
 from h2o_cache.bench.speed import greedy_step, greedy_step_seconds
+
+K, V = TypeVar("K"), TypeVar("V")
 
 
 def conversation_row(gen: Generator, config: CacheConfig, history: list[int]) -> H2OCache:
@@ -84,12 +87,13 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - began
 
 
-def rotated(decoders: dict[str, StaticDecoder], rep: int) -> list[tuple[str, StaticDecoder]]:
-    """The decoders in the order of repetition `rep`: the dict's order, begun at its (rep mod n)-th. Run
-    in one fixed order, a decoder's windows follow the same other decoder's every time, and on the
-    project's CPU VM which one went before moved a ratio by 0.1-0.15 (RESULTS.md, "Steady steps":
-    identical pairs of decoders, fixed order against alternating, 1.441 against 1.313)."""
-    items = list(decoders.items())
+def rotated(timed: dict[K, V], rep: int) -> list[tuple[K, V]]:
+    """The items timed in repetition `rep` (decoders, prefill configurations, a bench's rows), in the
+    dict's order begun at its (rep mod n)-th. Run in one fixed order, an item's windows follow the same
+    other item's every time, and on the project's CPU VM which one went before moved a ratio by 0.1-0.15
+    (RESULTS.md, "Steady steps": identical pairs of decoders, fixed order against alternating, 1.441
+    against 1.313)."""
+    items = list(timed.items())
     start = rep % len(items) if items else 0
     return items[start:] + items[:start]
 
@@ -170,7 +174,7 @@ def step_table(decoders: dict[str, StaticDecoder], batch: int, reps: int, steps:
 def prefill_times(gen: Generator, configs: dict[str, CacheConfig], prompt: list[int], reps: int) -> dict[str, list[float]]:
     times = {name: [] for name in configs}
     for rep in range(reps + 1):
-        for name, config in configs.items():
+        for name, config in rotated(configs, rep):
             row = gen.new_cache(1, config)
             sync(gen)
             began = time.perf_counter()

@@ -268,3 +268,43 @@ def test_recall_speed_rotates_its_decoders_order_at_each_repetition(monkeypatch)
     times = recall_speed.decode_times(decoders, reps=4, steps=2)
     assert "".join(calls) == "abc" "bca" "cab" "abc"
     assert times == {"a": [1.01, 1.06, 1.08, 1.10], "b": [2.02, 2.04, 2.09, 2.11], "c": [3.03, 3.05, 3.07, 3.12]}
+
+
+def test_recall_speed_rotates_its_prefill_configurations_at_each_repetition():
+    """The prefill's configurations, like the decoders, begin one further on each repetition (the first
+    round warms up and is not kept)."""
+    from types import SimpleNamespace
+
+    from h2o_cache.bench import recall_speed
+
+    calls = []
+    gen = SimpleNamespace(spec=SimpleNamespace(device=torch.device("cpu")),
+                          new_cache=lambda rows, config: config,
+                          prefill=lambda row, prompts, recall: calls.append(row))
+    times = recall_speed.prefill_times(gen, {"a": "a", "b": "b", "c": "c"}, [1, 2, 3], reps=3)
+    assert "".join(calls) == "abc" "bca" "cab" "abc"
+    assert {name: len(seconds) for name, seconds in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_flat_rotates_its_rows_at_each_repetition(monkeypatch):
+    """The flat bench's replies, one per configuration and history each repetition, begin one row
+    further on each repetition; each row's replies are still timed under its own name."""
+    from types import SimpleNamespace
+
+    from h2o_cache.bench import flat
+
+    order = []
+
+    def reply(gen, config, row, turn, steps, phases):
+        order.append(row.name)
+        return 0.001 * len(order)
+
+    monkeypatch.setattr(flat, "load", lambda args: (SimpleNamespace(config=SimpleNamespace(vocab_size=100)), None))
+    monkeypatch.setattr(flat, "Generator", lambda model, tokenizer: SimpleNamespace(
+        spec=SimpleNamespace(device=torch.device("cpu"))))
+    monkeypatch.setattr(flat, "conversation_row", lambda gen, config, tokens: SimpleNamespace(
+        name=f"{config.recall_budget}:{len(tokens)}", archives=[None]))
+    monkeypatch.setattr(flat, "reply_seconds", reply)
+    flat.main(["--text", "random", "--histories", "10", "20", "--reps", "3", "--turn", "2", "--reply", "1"])
+    rows = ["0:10", "0:20", "128:10", "128:20"]
+    assert order == rows + rows[1:] + rows[:1] + rows[2:] + rows[:2]
