@@ -1,8 +1,9 @@
 """Pour all 80 MT-Bench questions, both turns each (160 user turns), into ONE conversation.
 
 Each reply streams to the terminal; per turn the demo records time to first token, decode rate,
-the conversation's length and the server's resident KV cache, then writes <label>.csv and a plot
-(mtbench.png) to --out. Several servers (one per cache policy) run one after another, one line each:
+the conversation's length, the server's resident KV cache and whether the reply opens as the one
+before it did (`repeats_previous`: the same first 60 characters, a small model's loop in a long chat;
+counted in the summary), then writes <label>.csv and a plot (mtbench.png) to --out. Several servers (one per cache policy) run one after another, one line each:
 
     python -m clients.mtbench_demo --out out/demo
     python -m clients.mtbench_demo --base-url http://127.0.0.1:8001 --label h2o \\
@@ -23,6 +24,15 @@ from clients.plot import plot_runs, read_csv, write_csv
 from clients.questions import QuestionsNotFound, mtbench_turns
 
 
+OPENING = 60  # characters of a reply's opening compared with the reply before it
+
+
+def repeats(previous: str | None, reply: str) -> bool:
+    """Whether `reply` opens with the same OPENING characters as `previous` (surrounding space aside):
+    the model answering a new question with its last answer, as a small model in a long greedy chat does."""
+    return previous is not None and previous.strip()[:OPENING] == reply.strip()[:OPENING]
+
+
 async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[dict]:
     """Play the turns into one conversation; stop at the first failure (a longer one fails the same way)."""
     rows = []
@@ -30,6 +40,7 @@ async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[di
         await wait_ready(client, args.wait)
         model = args.model or await served_model(client)
         conv = Conversation(resend=args.history == "resend", system=args.system)
+        previous = None
         for n, q in enumerate(turns, 1):
             print(f"\n[{label} · turn {n}/{len(turns)} · question {q['question_id']} ({q['category']}) "
                   f"turn {q['question_turn']}]\nuser: {q['text']}\nassistant: ", end="", flush=True)
@@ -48,7 +59,9 @@ async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[di
                          "completion_tokens": t.completion_tokens,
                          "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens"),
                          "conversation_tokens": u.get("conversation_tokens"),
-                         "kv_resident_tokens": u.get("kv_resident_tokens"), "error": ""})
+                         "kv_resident_tokens": u.get("kv_resident_tokens"),
+                         "repeats_previous": int(repeats(previous, t.text)), "error": ""})
+            previous = t.text
             print(f"\n-- ttft {t.ttft:.2f}s · {t.decode_tps:.1f} tok/s · conversation {u.get('conversation_tokens')} "
                   f"tokens · resident KV cache {u.get('kv_resident_tokens')} tokens", flush=True)
     return rows
@@ -62,6 +75,10 @@ def summarize(label: str, rows: list[dict]) -> str:
         last = ok[-1]
         line += (f", conversation {last['conversation_tokens']} tokens, "
                  f"resident KV {last['kv_resident_tokens']} tokens")
+        counted = [r for r in ok if r.get("repeats_previous") not in (None, "")]  # older CSVs lack it
+        if counted:
+            line += (f", {sum(int(r['repeats_previous']) for r in counted)} of {len(counted)} replies open as the "
+                     f"one before")
     if failed:
         line += f"; FAILED at turn {failed[0]['turn']}: {failed[0]['error']}"
     return line

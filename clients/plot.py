@@ -7,7 +7,7 @@ from pathlib import Path
 
 FIELDS = ["label", "turn", "question_id", "category", "question_turn", "ttft_s", "decode_tokens_per_s",
           "turn_s", "prompt_tokens", "completion_tokens", "cached_tokens", "conversation_tokens",
-          "kv_resident_tokens", "error"]
+          "kv_resident_tokens", "repeats_previous", "error"]
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -19,6 +19,9 @@ def test_two_turns_write_csv_and_png(fake_server, tmp_path):
     assert [(g["turn"], g["question_id"], g["question_turn"]) for g in got] == [("1", "81", "1"), ("2", "81", "2")]
     assert all(float(g["ttft_s"]) > 0 and g["kv_resident_tokens"] and not g["error"] for g in got)
     assert int(got[1]["conversation_tokens"]) > int(got[0]["conversation_tokens"])
+    # the fake server answers every turn alike: the second reply repeats the first, counted
+    assert [g["repeats_previous"] for g in got] == ["0", "1"]
+    assert "h2o: 2 turns ok" in r.stdout and "1 of 2 replies open as the one before" in r.stdout
     assert (tmp_path / "mtbench.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -40,3 +43,13 @@ def test_unreachable_server_is_a_clear_error(dead_url, tmp_path):
     r = run_client("mtbench_demo", "--base-url", dead_url, "--turns", "1", "--out", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "not ready: cannot connect" in r.stderr
+
+
+def test_a_reply_repeats_the_one_before_where_its_opening_is_the_same():
+    from clients.mtbench_demo import OPENING, repeats
+
+    assert not repeats(None, "anything")
+    assert repeats("The answer is not provided.", " The answer is not provided.\n")
+    long = "x" * OPENING
+    assert repeats(long + " one ending", long + " another")  # the opening alone is compared
+    assert not repeats("The answer is 4.", "The answer is 5.")
