@@ -33,6 +33,14 @@ def repeats(previous: str | None, reply: str) -> bool:
     return previous is not None and previous.strip()[:OPENING] == reply.strip()[:OPENING]
 
 
+def penalties(args) -> dict:
+    """The sampling fields given on the command line that the request carries (none unless given: the
+    server's defaults then apply): the levers against a small model's loops."""
+    fields = {"frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
+              "repetition_penalty": args.repetition_penalty}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[dict]:
     """Play the turns into one conversation; stop at the first failure (a longer one fails the same way)."""
     rows = []
@@ -48,7 +56,7 @@ async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[di
             echo = None if args.quiet else (lambda s: print(s, end="", flush=True))
             try:
                 t = await conv.ask(client, q["text"], model=model, max_tokens=args.max_tokens,
-                                   temperature=args.temperature, on_text=echo)
+                                   temperature=args.temperature, on_text=echo, extra=penalties(args))
             except (ApiError, ServerUnavailable) as e:
                 rows.append({**row, "error": str(e)})
                 print(f"\n!! turn {n} FAILED: {e}\n!! stopping {label}: every longer conversation fails the same way")
@@ -92,6 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=0, help="stop after N user turns (default: all 160)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply length limit per turn")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, help="OpenAI's frequency_penalty for every reply (default: none sent)")
+    p.add_argument("--presence-penalty", type=float, help="OpenAI's presence_penalty for every reply (default: none sent)")
+    p.add_argument("--repetition-penalty", type=float,
+                   help="the server's repetition_penalty (CTRL's: a seen token's logit divided by it) for every reply")
     p.add_argument("--history", choices=["resend", "session"], default="resend",
                    help="resend: whole history each turn, as OpenAI clients do (the server recognizes it); "
                         "session: only the new message plus X-Session-ID (needed behind the nginx router)")

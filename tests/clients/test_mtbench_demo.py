@@ -53,3 +53,11 @@ def test_a_reply_repeats_the_one_before_where_its_opening_is_the_same():
     long = "x" * OPENING
     assert repeats(long + " one ending", long + " another")  # the opening alone is compared
     assert not repeats("The answer is 4.", "The answer is 5.")
+
+
+def test_penalties_are_sent_only_where_given():
+    from clients.mtbench_demo import parse_args, penalties
+
+    assert penalties(parse_args([])) == {}
+    args = parse_args(["--repetition-penalty", "1.2", "--frequency-penalty", "0.5"])
+    assert penalties(args) == {"repetition_penalty": 1.2, "frequency_penalty": 0.5}
