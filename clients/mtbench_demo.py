@@ -3,7 +3,8 @@
 Each reply streams to the terminal; per turn the demo records time to first token, decode rate,
 the conversation's length, the server's resident KV cache and whether the reply opens as the one
 before it did (`repeats_previous`: the same first 60 characters, a small model's loop in a long chat;
-counted in the summary), then writes <label>.csv and a plot (mtbench.png) to --out. Several servers (one per cache policy) run one after another, one line each:
+counted in the summary), then writes <label>.csv and a plot (mtbench.png) to --out. Several servers
+(one per cache policy) run one after another, one line each:
 
     python -m clients.mtbench_demo --out out/demo
     python -m clients.mtbench_demo --base-url http://127.0.0.1:8001 --label h2o \\
@@ -48,7 +49,7 @@ async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[di
         await wait_ready(client, args.wait)
         model = args.model or await served_model(client)
         conv = Conversation(resend=args.history == "resend", system=args.system)
-        previous = None
+        previous, extra = None, penalties(args)
         for n, q in enumerate(turns, 1):
             print(f"\n[{label} · turn {n}/{len(turns)} · question {q['question_id']} ({q['category']}) "
                   f"turn {q['question_turn']}]\nuser: {q['text']}\nassistant: ", end="", flush=True)
@@ -56,7 +57,7 @@ async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[di
             echo = None if args.quiet else (lambda s: print(s, end="", flush=True))
             try:
                 t = await conv.ask(client, q["text"], model=model, max_tokens=args.max_tokens,
-                                   temperature=args.temperature, on_text=echo, extra=penalties(args))
+                                   temperature=args.temperature, on_text=echo, extra=extra)
             except (ApiError, ServerUnavailable) as e:
                 rows.append({**row, "error": str(e)})
                 print(f"\n!! turn {n} FAILED: {e}\n!! stopping {label}: every longer conversation fails the same way")
@@ -100,8 +101,10 @@ def parse_args(argv=None):
     p.add_argument("--turns", type=int, default=0, help="stop after N user turns (default: all 160)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply length limit per turn")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, help="OpenAI's frequency_penalty for every reply (default: none sent)")
-    p.add_argument("--presence-penalty", type=float, help="OpenAI's presence_penalty for every reply (default: none sent)")
+    p.add_argument("--frequency-penalty", type=float,
+                   help="OpenAI's frequency_penalty for every reply (default: none sent)")
+    p.add_argument("--presence-penalty", type=float,
+                   help="OpenAI's presence_penalty for every reply (default: none sent)")
     p.add_argument("--repetition-penalty", type=float,
                    help="the server's repetition_penalty (CTRL's: a seen token's logit divided by it) for every reply")
     p.add_argument("--history", choices=["resend", "session"], default="resend",

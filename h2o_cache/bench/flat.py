@@ -6,8 +6,9 @@ history less the budget, up to `--recall-archive`); then, every repetition, a fr
 takes a copy of it, prefills a `--turn`-token prompt as a turn (its last tokens choose the window, and
 the reply's first `recall_burst` steps choose with every layer's votes, as the server's do) and decodes
 `--reply` greedy steps on the fast path (`StaticDecoder`), timed; the configurations and histories are
-interleaved, `--reps` times, each repetition begun one further on (`recall_speed.rotated`). Printed: the median time per token of a reply at each history, and its
-ratio to the shortest history's (a flat cost: ratios near 1). Recall off (h2o alone at the same
+interleaved, `--reps` times, each repetition begun one further on (`recall_speed.rotated`). Printed:
+the median time per token of a reply at each history, and its ratio to the shortest history's (a flat
+cost: ratios near 1). Recall off (h2o alone at the same
 budget) is the reference, flat by construction; `--digests` adds a recall configuration per block
 digest (`CacheConfig.recall_digest`) beside the default, `--sweeps` one per stripe of the decode
 choices (`CacheConfig.recall_sweep`; 0: every choice ranks every block), `--variants` one per set of
