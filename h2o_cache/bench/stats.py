@@ -51,3 +51,18 @@ def ratio_of_sums_difference(
 def mean_difference(a: torch.Tensor, b: torch.Tensor, **kwargs) -> Interval:
     """mean(a) - mean(b) over paired items (e.g. 0/1 accuracies), with a bootstrap interval."""
     return ratio_of_sums_difference(a, b, torch.ones(len(a)), **kwargs)
+
+
+def median_interval(values, resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """The median of `values` (e.g. a timing bench's per-repetition ratios; the two middle values'
+    mean where their count is even, as `statistics.median`), with a percentile-bootstrap interval
+    over them: how far one run's median could move were its repetitions drawn again."""
+    x = torch.as_tensor(list(values), dtype=torch.double)
+    if x.numel() == 0:
+        raise ValueError("the median of no values")
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(x.numel(), (resamples, x.numel()), generator=generator)
+    medians = torch.quantile(x[picks], 0.5, dim=1)  # linear interpolation: the middle two's mean
+    tail = (1 - confidence) / 2
+    low, high = torch.quantile(medians, torch.tensor([tail, 1 - tail], dtype=torch.double)).tolist()
+    return Interval(float(torch.quantile(x, 0.5)), low, high)

@@ -49,6 +49,10 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
         "| prefill of a 100-token prompt in chunks of 16, chunks choosing by 16 queries per head (recall_queries)",
         "| prefill of a 100-token prompt in chunks of 16, and body chunks given their previous chunk's choice (recall_ahead)"]
     assert all(row.endswith(("| met |", "| MISSED |")) for row in rows)
+    for row in rows:  # the median ratio, then its bootstrap interval over the repetitions, which holds it
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        low, high = (float(x) for x in cells[4].strip("[]").split(","))
+        assert low <= float(cells[3]) <= high
     assert "Archive after the history: 90 tokens per layer/head" in out
 
 

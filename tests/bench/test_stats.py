@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from h2o_cache.bench.stats import mean_difference, ratio_of_sums_difference
@@ -31,3 +32,22 @@ def test_no_difference_gives_an_interval_around_zero_and_is_seeded():
     first, second = mean_difference(a, b, seed=3), mean_difference(a, b, seed=3)
     assert first == second
     assert abs(first.value) < 1e-12 and first.low < 0 < first.high and not first.excludes_zero
+
+
+def test_the_median_of_a_bench_s_ratios_comes_with_an_interval_that_holds_it_and_narrows_with_less_spread():
+    import statistics
+
+    from h2o_cache.bench.stats import median_interval
+
+    ratios = [1.31, 1.22, 1.27, 1.40, 1.25, 1.29, 1.24, 1.33]  # an even count: the middle two's mean
+    interval = median_interval(ratios, resamples=2000)
+    assert interval.value == statistics.median(ratios)
+    assert min(ratios) <= interval.low <= interval.value <= interval.high <= max(ratios)
+    assert interval.low < 1.25 < interval.high  # this run does not resolve a 1.25 target
+    assert median_interval(ratios, resamples=2000) == interval  # seeded
+    tight = median_interval([1.27 + 0.001 * (i % 3) for i in range(9)], resamples=2000)
+    assert tight.high - tight.low < 0.0021 < interval.high - interval.low
+    constant = median_interval([1.1] * 5, resamples=100)
+    assert constant.low == constant.value == constant.high == 1.1
+    with pytest.raises(ValueError):
+        median_interval([])
