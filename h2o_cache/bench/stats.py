@@ -43,9 +43,7 @@ def ratio_of_sums_difference(
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(n, (resamples, n), generator=generator)  # [R, N] items of each resample
     diffs = ((a - b)[picks].sum(1) / weights[picks].sum(1))
-    tail = (1 - confidence) / 2
-    low, high = torch.quantile(diffs, torch.tensor([tail, 1 - tail], dtype=torch.double)).tolist()
-    return Interval(float((a - b).sum() / weights.sum()), low, high)
+    return Interval(float((a - b).sum() / weights.sum()), *_percentiles(diffs, confidence))
 
 
 def mean_difference(a: torch.Tensor, b: torch.Tensor, **kwargs) -> Interval:
@@ -63,6 +61,10 @@ def median_interval(values, resamples: int = 10_000, confidence: float = 0.95, s
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(x.numel(), (resamples, x.numel()), generator=generator)
     medians = torch.quantile(x[picks], 0.5, dim=1)  # linear interpolation: the middle two's mean
+    return Interval(float(torch.quantile(x, 0.5)), *_percentiles(medians, confidence))
+
+
+def _percentiles(samples: torch.Tensor, confidence: float) -> list[float]:
+    """The two-sided percentile-bootstrap bounds of `confidence` from a bootstrap's estimates (fp64)."""
     tail = (1 - confidence) / 2
-    low, high = torch.quantile(medians, torch.tensor([tail, 1 - tail], dtype=torch.double)).tolist()
-    return Interval(float(torch.quantile(x, 0.5)), low, high)
+    return torch.quantile(samples, torch.tensor([tail, 1 - tail], dtype=torch.double)).tolist()

@@ -1,7 +1,9 @@
+import statistics
+
 import pytest
 import torch
 
-from h2o_cache.bench.stats import mean_difference, ratio_of_sums_difference
+from h2o_cache.bench.stats import mean_difference, median_interval, ratio_of_sums_difference
 
 
 def test_a_constant_shift_per_token_is_found_exactly_with_a_degenerate_interval():
@@ -35,10 +37,6 @@ def test_no_difference_gives_an_interval_around_zero_and_is_seeded():
 
 
 def test_the_median_of_a_bench_s_ratios_comes_with_an_interval_that_holds_it_and_narrows_with_less_spread():
-    import statistics
-
-    from h2o_cache.bench.stats import median_interval
-
     ratios = [1.31, 1.22, 1.27, 1.40, 1.25, 1.29, 1.24, 1.33]  # an even count: the middle two's mean
     interval = median_interval(ratios, resamples=2000)
     assert interval.value == statistics.median(ratios)
