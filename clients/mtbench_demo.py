@@ -3,12 +3,17 @@
 Each reply streams to the terminal; per turn the demo records time to first token, decode rate,
 the conversation's length, the server's resident KV cache and whether the reply opens as the one
 before it did (`repeats_previous`: the same first 60 characters, a small model's loop in a long chat;
-counted in the summary), then writes <label>.csv and a plot (mtbench.png) to --out. Several servers
-(one per cache policy) run one after another, one line each:
+counted in the summary), then writes <label>.csv and a plot (mtbench.png) to --out, and prints the
+time per token by blocks of turns (`clients.flatness`). Several servers (one per cache policy) run one
+after another, one line each, or with --interleave turn by turn, so that a drifting machine times them
+alike; --reference then divides each turn's time by that server's at the same turn:
 
     python -m clients.mtbench_demo --out out/demo
     python -m clients.mtbench_demo --base-url http://127.0.0.1:8001 --label h2o \\
                                    --base-url http://127.0.0.1:8002 --label full --out out/demo
+    python -m clients.mtbench_demo --base-url http://127.0.0.1:8011 --label recall \\
+                                   --base-url http://127.0.0.1:8012 --label h2o --interleave --ignore-eos \\
+                                   --max-tokens 64 --quiet --reference h2o --out out/flat
     python -m clients.mtbench_demo --plot out/demo/h2o.csv out/demo/full.csv --out out/demo
 """
 
@@ -17,10 +22,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 from urllib.parse import urlparse
 
 from clients.api import DEFAULT_URL, ApiError, Conversation, ServerUnavailable, make_client, served_model, wait_ready
+from clients.flatness import MIN_TOKENS, table as flatness_table
 from clients.plot import plot_runs, read_csv, write_csv
 from clients.questions import QuestionsNotFound, mtbench_turns
 
@@ -42,38 +49,72 @@ def penalties(args) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-async def run_one(base_url: str, label: str, turns: list[dict], args) -> list[dict]:
-    """Play the turns into one conversation; stop at the first failure (a longer one fails the same way)."""
-    rows = []
-    async with make_client(base_url, args.api_key) as client:
-        await wait_ready(client, args.wait)
-        model = args.model or await served_model(client)
-        conv = Conversation(resend=args.history == "resend", system=args.system)
-        previous, extra = None, penalties(args)
-        for n, q in enumerate(turns, 1):
-            print(f"\n[{label} · turn {n}/{len(turns)} · question {q['question_id']} ({q['category']}) "
-                  f"turn {q['question_turn']}]\nuser: {q['text']}\nassistant: ", end="", flush=True)
-            row = {"label": label, "turn": n, **{k: q[k] for k in ("question_id", "category", "question_turn")}}
-            echo = None if args.quiet else (lambda s: print(s, end="", flush=True))
+def request_extras(args) -> dict:
+    """What every request carries beyond the OpenAI fields the demo always sends: the penalties given,
+    and with --ignore-eos the server's `ignore_eos` (every reply --max-tokens long, so that every turn
+    has a decode rate to time and the conversation grows by the same length a turn on every server)."""
+    return {**penalties(args), **({"ignore_eos": True} if args.ignore_eos else {})}
+
+
+class Player:
+    """One server's side of the demo: its client and its conversation, played a turn at a time."""
+
+    def __init__(self, base_url: str, label: str, args):
+        self.base_url, self.label, self.args = base_url, label, args
+        self.rows: list[dict] = []
+        self.previous: str | None = None
+        self.failed = False
+
+    async def open(self, stack: AsyncExitStack) -> None:
+        args = self.args
+        self.client = await stack.enter_async_context(make_client(self.base_url, args.api_key))
+        await wait_ready(self.client, args.wait)
+        self.model = args.model or await served_model(self.client)
+        self.conv = Conversation(resend=args.history == "resend", system=args.system)
+
+    async def turn(self, n: int, q: dict, total: int) -> None:
+        """Play user turn n; a failure is recorded and ends this player (a longer conversation fails the same way)."""
+        args = self.args
+        print(f"\n[{self.label} · turn {n}/{total} · question {q['question_id']} ({q['category']}) "
+              f"turn {q['question_turn']}]\nuser: {q['text']}\nassistant: ", end="", flush=True)
+        row = {"label": self.label, "turn": n, **{k: q[k] for k in ("question_id", "category", "question_turn")}}
+        echo = None if args.quiet else (lambda s: print(s, end="", flush=True))
+        try:
+            t = await self.conv.ask(self.client, q["text"], model=self.model, max_tokens=args.max_tokens,
+                                    temperature=args.temperature, on_text=echo, extra=request_extras(args))
+        except (ApiError, ServerUnavailable) as e:
+            self.rows.append({**row, "error": str(e)})
+            self.failed = True
+            print(f"\n!! turn {n} FAILED: {e}\n!! stopping {self.label}: every longer conversation fails the same way")
+            return
+        u = t.usage
+        self.rows.append({**row, "ttft_s": round(t.ttft, 4), "decode_tokens_per_s": round(t.decode_tps, 2),
+                          "turn_s": round(t.t_end - t.t_start, 4), "prompt_tokens": u.get("prompt_tokens"),
+                          "completion_tokens": t.completion_tokens,
+                          "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                          "conversation_tokens": u.get("conversation_tokens"),
+                          "kv_resident_tokens": u.get("kv_resident_tokens"),
+                          "repeats_previous": int(repeats(self.previous, t.text)), "error": ""})
+        self.previous = t.text
+        print(f"\n-- ttft {t.ttft:.2f}s · {t.decode_tps:.1f} tok/s · conversation {u.get('conversation_tokens')} "
+              f"tokens · resident KV cache {u.get('kv_resident_tokens')} tokens", flush=True)
+
+
+async def play(players: list[Player], turns: list[dict], interleave: bool) -> None:
+    """Every player's conversation: one server after another, or with `interleave` turn by turn (turn n
+    on every server before turn n + 1), so that each turn's times on the servers are taken side by side."""
+    async with AsyncExitStack() as stack:
+        for player in players:
             try:
-                t = await conv.ask(client, q["text"], model=model, max_tokens=args.max_tokens,
-                                   temperature=args.temperature, on_text=echo, extra=extra)
-            except (ApiError, ServerUnavailable) as e:
-                rows.append({**row, "error": str(e)})
-                print(f"\n!! turn {n} FAILED: {e}\n!! stopping {label}: every longer conversation fails the same way")
-                return rows
-            u = t.usage
-            rows.append({**row, "ttft_s": round(t.ttft, 4), "decode_tokens_per_s": round(t.decode_tps, 2),
-                         "turn_s": round(t.t_end - t.t_start, 4), "prompt_tokens": u.get("prompt_tokens"),
-                         "completion_tokens": t.completion_tokens,
-                         "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens"),
-                         "conversation_tokens": u.get("conversation_tokens"),
-                         "kv_resident_tokens": u.get("kv_resident_tokens"),
-                         "repeats_previous": int(repeats(previous, t.text)), "error": ""})
-            previous = t.text
-            print(f"\n-- ttft {t.ttft:.2f}s · {t.decode_tps:.1f} tok/s · conversation {u.get('conversation_tokens')} "
-                  f"tokens · resident KV cache {u.get('kv_resident_tokens')} tokens", flush=True)
-    return rows
+                await player.open(stack)
+            except ServerUnavailable as e:
+                print(f"error: {e}", file=sys.stderr)
+                player.rows, player.failed = [{"label": player.label, "turn": 1, "error": str(e)}], True
+        order = ([(n, player) for n in range(1, len(turns) + 1) for player in players] if interleave
+                 else [(n, player) for player in players for n in range(1, len(turns) + 1)])
+        for n, player in order:
+            if not player.failed:
+                await player.turn(n, turns[n - 1], len(turns))
 
 
 def summarize(label: str, rows: list[dict]) -> str:
@@ -117,6 +158,19 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="do not print the replies, only per-turn stats")
     p.add_argument("--out", default="out/mtbench", help="directory for <label>.csv and mtbench.png")
     p.add_argument("--plot", nargs="+", metavar="CSV", help="only re-plot these CSVs (labels from the files)")
+    p.add_argument("--interleave", action="store_true",
+                   help="play turn by turn across the servers (turn n on each before turn n + 1) rather than one "
+                        "server after another, so their times are taken side by side")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every reply exactly --max-tokens long (the server's ignore_eos): every turn is timed. A "
+                        "reply that ran past its end of turn is not the text the conversation continues from, so "
+                        "the server prefills the next turn's whole conversation again (cached_tokens 0, a long "
+                        "time to first token); the decode times are not affected")
+    p.add_argument("--reference", metavar="LABEL",
+                   help="the run the others' times are divided by, turn by turn, in the flatness table")
+    p.add_argument("--block", type=int, default=20, help="turns per line of the flatness table")
+    p.add_argument("--min-tokens", type=int, default=MIN_TOKENS,
+                   help="replies shorter than this are left out of the flatness table (their rate is a few frames' gaps)")
     args = p.parse_args(argv)
     args.base_url = args.base_url or [DEFAULT_URL]
     if args.label and len(args.label) != len(args.base_url):
@@ -137,17 +191,21 @@ def main(argv=None) -> int:
         except (QuestionsNotFound, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        runs = {}
-        for url, label in zip(args.base_url, args.label):
-            try:
-                runs[label] = asyncio.run(run_one(url, label, turns, args))
-            except ServerUnavailable as e:
-                print(f"error: {e}", file=sys.stderr)
-                runs[label] = [{"label": label, "turn": 1, "error": str(e)}]
-            write_csv(out / f"{label}.csv", runs[label])
+        players = [Player(url, label, args) for url, label in zip(args.base_url, args.label)]
+        for group in [players] if args.interleave else [[player] for player in players]:
+            asyncio.run(play(group, turns, args.interleave))
+        runs = {player.label: player.rows for player in players}
+        for label, rows in runs.items():
+            write_csv(out / f"{label}.csv", rows)
+    if args.reference is not None and args.reference not in runs:
+        print(f"error: --reference {args.reference!r} names no run (runs: {', '.join(runs)})", file=sys.stderr)
+        return 1
     plot_runs(runs, out / "mtbench.png")
     print("\n" + "\n".join(summarize(label, rows) for label, rows in runs.items()))
-    print(f"wrote {', '.join(f'{label}.csv' for label in runs)} and mtbench.png to {out}/")
+    print(f"\nms per decoded token by blocks of {args.block} turns (replies of {args.min_tokens} tokens or more; "
+          f"growth: a block's median over the first block's)\n")
+    print(flatness_table(runs, args.reference, args.block, args.min_tokens))
+    print(f"\nwrote {', '.join(f'{label}.csv' for label in runs)} and mtbench.png to {out}/")
     return 1 if any(r["error"] for rows in runs.values() for r in rows) else 0
 
 

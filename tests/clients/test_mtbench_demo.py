@@ -61,3 +61,41 @@ def test_penalties_are_sent_only_where_given():
     assert penalties(parse_args([])) == {}
     args = parse_args(["--repetition-penalty", "1.2", "--frequency-penalty", "0.5"])
     assert penalties(args) == {"repetition_penalty": 1.2, "frequency_penalty": 0.5}
+
+
+def test_interleaved_servers_play_turn_by_turn_and_the_table_divides_by_the_reference(fake_server, tmp_path):
+    from tests.clients.conftest import serve
+    from tests.clients.fake_server import make_app
+
+    other, other_url = serve(make_app())
+    try:
+        r = run_client("mtbench_demo", "--base-url", fake_server, "--label", "a", "--base-url", other_url,
+                       "--label", "b", "--turns", "3", "--max-tokens", "40", "--quiet", "--interleave",
+                       "--reference", "b", "--block", "2", "--out", str(tmp_path))
+    finally:
+        other.should_exit = True
+    assert r.returncode == 0, r.stderr
+    played = [line.split(" · ")[0].lstrip("[") + line.split(" · ")[1] for line in r.stdout.splitlines()
+              if line.startswith("[")]
+    assert played == ["aturn 1/3", "bturn 1/3", "aturn 2/3", "bturn 2/3", "aturn 3/3", "bturn 3/3"]
+    table = r.stdout[r.stdout.index("turns | "):].splitlines()
+    assert "a / b (ratio" in table[0] and [line.split(" | ")[0] for line in table[2:4]] == ["1-2", "3-4"]
+    assert len(rows(tmp_path / "a.csv")) == len(rows(tmp_path / "b.csv")) == 3
+
+
+def test_ignore_eos_is_sent_only_where_asked():
+    from clients.mtbench_demo import parse_args, request_extras
+
+    assert request_extras(parse_args([])) == {}
+    assert request_extras(parse_args(["--ignore-eos", "--presence-penalty", "0.1"])) == {
+        "ignore_eos": True, "presence_penalty": 0.1}
+
+
+def test_a_reference_that_names_no_run_is_a_clear_error(tmp_path):
+    from clients.plot import write_csv
+
+    write_csv(tmp_path / "h2o.csv", [{"label": "h2o", "turn": 1, "decode_tokens_per_s": 100.0,
+                                      "completion_tokens": 64, "error": ""}])
+    r = run_client("mtbench_demo", "--plot", str(tmp_path / "h2o.csv"), "--reference", "full", "--out", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--reference 'full' names no run (runs: h2o)" in r.stderr
