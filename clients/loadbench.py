@@ -70,6 +70,14 @@ def default_prompts() -> list[str]:
         return FALLBACK_PROMPTS
 
 
+def fixed_length(max_tokens: int) -> dict:
+    """Body fields for a reply of exactly max_tokens: `ignore_eos`, and `min_tokens` at max_tokens, which
+    holds the end of turn back instead of sampling past it, so that the reply stays text its
+    conversation continues from (after an `ignore_eos` reply ran past its end, this server prefills the
+    whole conversation again at the next turn); a server without `min_tokens` still has `ignore_eos`."""
+    return {"ignore_eos": True, "min_tokens": max_tokens}
+
+
 async def run_load(base_url: str, *, sessions: int, turns: int, max_tokens: int, duration: float = 3600.0,
                    history: str = "session", prompts: list[str] | None = None, api_key: str | None = None,
                    model: str | None = None, wait: float = 0.0, progress: bool = False,
@@ -91,7 +99,7 @@ async def run_load(base_url: str, *, sessions: int, turns: int, max_tokens: int,
                 try:
                     turn = await conv.ask(client, prompts[(i * turns + k) % len(prompts)], model=model,
                                           max_tokens=max_tokens, temperature=0.0,
-                                          extra={"ignore_eos": True} if ignore_eos else None)
+                                          extra=fixed_length(max_tokens) if ignore_eos else None)
                 except (ApiError, ServerUnavailable) as e:
                     result.errors.append(f"session {i} turn {k + 1}: {e}")
                     return
@@ -135,7 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=600.0, help="seconds after which no new turn starts")
     p.add_argument("--history", choices=["session", "resend"], default="session",
                    help="session: new message + X-Session-ID; resend: whole history each turn")
-    p.add_argument("--ignore-eos", action="store_true", help="every reply is exactly --max-tokens long (server extra)")
+    p.add_argument("--ignore-eos", action="store_true", help="every reply is exactly --max-tokens long (the server extras ignore_eos and min_tokens, "
+                        "so that a conversation's next turn still continues its session)")
     p.add_argument("--api-key")
     p.add_argument("--model", help="model name to send (default: the server's first /v1/models entry)")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for /health")

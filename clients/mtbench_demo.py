@@ -12,7 +12,7 @@ alike; --reference then divides each turn's time by that server's at the same tu
     python -m clients.mtbench_demo --base-url http://127.0.0.1:8001 --label h2o \\
                                    --base-url http://127.0.0.1:8002 --label full --out out/demo
     python -m clients.mtbench_demo --base-url http://127.0.0.1:8011 --label recall \\
-                                   --base-url http://127.0.0.1:8012 --label h2o --interleave --ignore-eos \\
+                                   --base-url http://127.0.0.1:8012 --label h2o --interleave --full-replies \\
                                    --max-tokens 64 --quiet --reference h2o --out out/flat
     python -m clients.mtbench_demo --plot out/demo/h2o.csv out/demo/full.csv --out out/demo
 """
@@ -51,9 +51,10 @@ def penalties(args) -> dict:
 
 def request_extras(args) -> dict:
     """What every request carries beyond the OpenAI fields the demo always sends: the penalties given,
-    and with --ignore-eos the server's `ignore_eos` (every reply --max-tokens long, so that every turn
-    has a decode rate to time and the conversation grows by the same length a turn on every server)."""
-    return {**penalties(args), **({"ignore_eos": True} if args.ignore_eos else {})}
+    and with --full-replies the server's `min_tokens` at --max-tokens (every reply that long, so that
+    every turn has a decode rate to time and the conversation grows by the same length a turn on every
+    server; unlike `ignore_eos`, the reply stays text the conversation continues from)."""
+    return {**penalties(args), **({"min_tokens": args.max_tokens} if args.full_replies else {})}
 
 
 class Player:
@@ -161,11 +162,9 @@ def parse_args(argv=None):
     p.add_argument("--interleave", action="store_true",
                    help="play turn by turn across the servers (turn n on each before turn n + 1) rather than one "
                         "server after another, so their times are taken side by side")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="every reply exactly --max-tokens long (the server's ignore_eos): every turn is timed. A "
-                        "reply that ran past its end of turn is not the text the conversation continues from, so "
-                        "the server prefills the next turn's whole conversation again (cached_tokens 0, a long "
-                        "time to first token); the decode times are not affected")
+    p.add_argument("--full-replies", action="store_true",
+                   help="every reply exactly --max-tokens long (the server's min_tokens = max_tokens: its end of "
+                        "turn held back), so that every turn is timed and the conversations grow alike")
     p.add_argument("--reference", metavar="LABEL",
                    help="the run the others' times are divided by, turn by turn, in the flatness table")
     p.add_argument("--block", type=int, default=20, help="turns per line of the flatness table")

@@ -26,17 +26,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from clients.api import ApiError, Conversation, ServerUnavailable, make_client, served_model
-from clients.loadbench import format_table, run_load
+from clients.loadbench import fixed_length, format_table, run_load
 from clients.questions import QuestionsNotFound, mtbench_turns
 from clients.server_proc import ServerFailed, spawned_server
 
-# Every reply exactly max_tokens long (the server's ignore_eos extra), so turns and stream counts
-# compare equal work, whatever the model would have said.
-FIXED_LENGTH = {"ignore_eos": True}
-
 
 async def conversation_cost(url: str, turns: list[str], max_tokens: int) -> dict:
-    """Play `turns` into one re-sent-history conversation; per turn: whole-turn seconds per token."""
+    """Play `turns` into one re-sent-history conversation; per turn: whole-turn seconds per token. Every
+    reply is max_tokens long (`fixed_length`), so the turns compare equal work."""
     rows = []
     async with make_client(url) as client:
         model = await served_model(client)
@@ -44,7 +41,7 @@ async def conversation_cost(url: str, turns: list[str], max_tokens: int) -> dict
         for text in tqdm(turns, unit="turn", file=sys.stderr, leave=False):
             try:
                 t = await conv.ask(client, text, model=model, max_tokens=max_tokens, temperature=0.0,
-                                   extra=FIXED_LENGTH)
+                                   extra=fixed_length(max_tokens))
             except ApiError as e:
                 return {"turns": rows, "error": f"turn {len(rows) + 1}: {e}"}
             rows.append({"s_per_token": t.seconds_per_token, "completion_tokens": t.completion_tokens,

@@ -120,7 +120,7 @@ class Generator:
         if cache.batch_size != len(prompts):
             raise ValueError(f"{len(prompts)} prompts for a cache of {cache.batch_size} rows")
         params = params if isinstance(params, list) else [params] * len(prompts)
-        samplers = [Sampler(p) for p in params]
+        samplers = [Sampler(p, ends=self.eos_token_ids) for p in params]
         decoders = [self.stream_decoder(p.stop) for p in params]
         results = [Completion() for _ in prompts]
         logits = self.prefill(cache, [pending + list(p) for pending, p in zip(cache.pending, prompts)], recall=True)

@@ -17,6 +17,7 @@ class SamplingParams:
     """How one sequence picks its next tokens. temperature 0 means greedy."""
 
     max_new_tokens: int = 256
+    min_new_tokens: int = 0  # no end token (EOS, stop_token_ids) sampled before this many tokens
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -34,6 +35,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
+                             f"got {self.min_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -62,13 +66,17 @@ class Sampler:
 
     prompt: the tokens the sequence was given, which `repetition_penalty` counts as seen (as
     transformers and vLLM do); kept only when that penalty is on.
+    ends: the model's end tokens (EOS), which with `stop_token_ids` are held back (their logits -inf)
+    until `min_new_tokens` tokens have been sampled (vLLM's min_tokens); `sampled` counts them.
     history: with a penalty on, [2, V] int32 on the logits' device (allocated at the first sample):
     row 0 counts each token sampled so far, row 1 marks the prompt's tokens. It stays on the device,
     so a step's penalties cost the same however long the reply is.
     """
 
-    def __init__(self, params: SamplingParams, prompt: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams, prompt: Iterable[int] = (), ends: Iterable[int] = ()):
         self.params = params
+        self.sampled = 0
+        self.held_back = tuple(sorted({*ends, *params.stop_token_ids})) if params.min_new_tokens else ()
         self.seed = (params.seed if params.seed is not None else secrets.randbits(63)) & _MASK64
         self.draws = 0
         self.penalized = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1)
@@ -132,6 +140,8 @@ def sample(logits: torch.Tensor, samplers: list[Sampler]) -> list[Sample]:
         history = torch.stack([s.history if s.penalized else blank for s in samplers])  # [B, 2, V]
         logits = _penalized(logits, history, table)
     logits = _biased(logits, samplers)
+    for s in samplers:
+        s.sampled += 1
     tokens = logits.argmax(dim=-1)
     if drawing:
         tokens = torch.where(table[:, _TEMPERATURE] > 0, _draw(logits, host, table), tokens)
@@ -173,12 +183,17 @@ def _penalized(logits: torch.Tensor, history: torch.Tensor, table: torch.Tensor)
 
 
 def _biased(logits: torch.Tensor, samplers: list[Sampler]) -> torch.Tensor:
+    """The rows' logit_bias added, and -inf at the end tokens a row holds back (`min_new_tokens`)."""
     rows, ids, amounts = [], [], []
     for row, s in enumerate(samplers):
         for token, amount in s.params.logit_bias:
             rows.append(row)
             ids.append(token)
             amounts.append(amount)
+        if s.sampled < s.params.min_new_tokens:
+            rows += [row] * len(s.held_back)
+            ids += s.held_back
+            amounts += [float("-inf")] * len(s.held_back)
     if not rows:
         return logits
     index = upload([rows, ids], logits.device)

@@ -108,7 +108,13 @@ class ChatCompletionRequest(SamplingRequest):
         return tools_of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def grammar(self, tools: Tools | None) -> str | None:
-        return grammar_of(self.response_format, tools)
+        grammar = grammar_of(self.response_format, tools)
+        if grammar is not None and self.min_tokens:
+            # a grammar ends the reply where its text is whole: holding the end back could force a token
+            # the grammar refuses
+            raise APIError(400, "min_tokens cannot be combined with a response_format or tools that constrain "
+                                "the reply", param="min_tokens", code="invalid_value")
+        return grammar
 
     def sampling_params(self, default_max_tokens: int, max_tokens_limit: int) -> SamplingParams:
         """max_completion_tokens (or the older max_tokens, or the server default, capped by the limit)."""

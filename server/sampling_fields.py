@@ -46,6 +46,8 @@ class SamplingRequest(Strict):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field([], max_length=64,
                                                               description="token ids that end the reply")
     ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
+    min_tokens: int = Field(0, ge=0, description="the reply does not end (EOS, stop_token_ids) before this many "
+                            "tokens: those tokens are not sampled until then; stop strings still end it")
 
     @field_validator("n")
     @classmethod
@@ -79,8 +81,13 @@ class SamplingRequest(Strict):
                 raise APIError(400, f"{field} is {asked}, more than this server's limit of {max_tokens_limit} "
                                     f"tokens per reply", param=field, code="max_tokens_exceeded")
         asked = next((getattr(self, f) for f in max_fields if getattr(self, f)), default_max_tokens)
+        longest = min(asked, max_tokens_limit)
+        if self.min_tokens > longest:
+            raise APIError(400, f"min_tokens is {self.min_tokens}, more than the reply's {longest} tokens at most "
+                                f"({max_fields[0]} or the server's default)", param="min_tokens", code="invalid_value")
         return SamplingParams(
-            max_new_tokens=min(asked, max_tokens_limit),
+            max_new_tokens=longest,
+            min_new_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,

@@ -114,7 +114,8 @@ class Batcher:
         for seq in seqs:
             try:
                 if not seq.started:
-                    seq.start(lambda: self.generator.new_cache(1), self.generator.stream_decoder)
+                    seq.start(lambda: self.generator.new_cache(1), self.generator.stream_decoder,
+                              self.generator.eos_token_ids)
                 started.append(seq)
             except Exception as error:
                 log.exception("prefill failed for request %s", seq.request_id)

@@ -6,7 +6,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Callable
+from typing import Callable, Iterable
 
 from llguidance import LLMatcher
 
@@ -86,11 +86,13 @@ class Sequence:
     def started(self) -> bool:
         return self.sampler is not None
 
-    def start(self, new_cache: Callable[[], H2OCache], new_decoder: Callable[[tuple[str, ...]], StreamDecoder]) -> None:
+    def start(self, new_cache: Callable[[], H2OCache], new_decoder: Callable[[tuple[str, ...]], StreamDecoder],
+              ends: Iterable[int] = ()) -> None:
         """Take the session's cache when the turn continues it, else a new one, to prefill.
 
         The session's pending token now leads `turn.prefill`. Until this, a cancelled request
-        leaves its session untouched.
+        leaves its session untouched. ends: the model's end tokens, held back until the reply's
+        `min_new_tokens` (`Sampler`).
         """
         cache = self.session.cache if self.turn.continues else None
         self.session.cache = None
@@ -102,7 +104,7 @@ class Sequence:
         self.recall_base = self.cache.recall_count[0]
         # the repetition penalty counts every token the conversation holds as seen
         prompt = [*self.history, *self.turn.prefill] if self.params.repetition_penalty != 1 else ()
-        self.sampler = Sampler(self.params, prompt)
+        self.sampler = Sampler(self.params, prompt, ends)
         self.decoder = new_decoder(self.params.stop)
         self.holdback = Holdback() if self.tools is not None and self.tools.parsed else None
 

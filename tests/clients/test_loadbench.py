@@ -47,3 +47,9 @@ def test_project_bench_prints_one_table_of_ratios(fake_server, small_context_ser
     # The small-context server stands in for `full` past its window: reported, not a crash.
     assert r.returncode == 1 and "full: turn" in r.stdout and "Traceback" not in r.stderr
     assert set(json.loads((tmp_path / "results.json").read_text())) == {"h2o", "full"}
+
+
+def test_fixed_length_replies_hold_the_end_back_rather_than_run_past_it():
+    from clients.loadbench import fixed_length
+
+    assert fixed_length(48) == {"ignore_eos": True, "min_tokens": 48}

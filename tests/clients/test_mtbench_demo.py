@@ -83,12 +83,12 @@ def test_interleaved_servers_play_turn_by_turn_and_the_table_divides_by_the_refe
     assert len(rows(tmp_path / "a.csv")) == len(rows(tmp_path / "b.csv")) == 3
 
 
-def test_ignore_eos_is_sent_only_where_asked():
+def test_full_replies_send_min_tokens_at_max_tokens_only_where_asked():
     from clients.mtbench_demo import parse_args, request_extras
 
     assert request_extras(parse_args([])) == {}
-    assert request_extras(parse_args(["--ignore-eos", "--presence-penalty", "0.1"])) == {
-        "ignore_eos": True, "presence_penalty": 0.1}
+    assert request_extras(parse_args(["--full-replies", "--max-tokens", "48", "--presence-penalty", "0.1"])) == {
+        "min_tokens": 48, "presence_penalty": 0.1}
 
 
 def test_a_reference_that_names_no_run_is_a_clear_error(tmp_path):

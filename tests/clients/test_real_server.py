@@ -67,4 +67,6 @@ def test_project_bench_table_on_the_real_server(server_url, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
     assert "2 streams / 1 stream" in r.stdout and "turn 2 / turn 1" in r.stdout
     results = json.loads((tmp_path / "results.json").read_text())["h2o"]
-    assert [t["completion_tokens"] for t in results["conversation"]["turns"]] == [4, 4]  # ignore_eos honoured
+    turns = results["conversation"]["turns"]
+    assert [t["completion_tokens"] for t in turns] == [4, 4]  # every reply max_tokens long
+    assert turns[1]["cached_tokens"] > 0  # and still text the conversation continues from

@@ -152,3 +152,28 @@ def test_every_row_draws_the_next_number_of_its_own_splitmix64_stream_whatever_i
     for draw in range(1, 4):
         assert uniforms(samplers).tolist() == [splitmix64(seed, draw) for seed in seeds]
     assert uniforms(samplers[1:2]).tolist() == [splitmix64(42, 4)]
+
+
+def test_min_new_tokens_holds_the_end_tokens_back_until_then_greedy_sampled_and_in_a_batch():
+    from h2o_cache.sampling import sample
+
+    ends = [1]  # token 1 is the likeliest: the end token a reply would stop at
+    params = SamplingParams(min_new_tokens=3, stop_token_ids=(2,))
+    sampler = Sampler(params, ends=ends)
+    assert [sampler(LOGITS).token for _ in range(4)] == [4, 4, 4, 1]  # 1 and the stop id 2 held back thrice
+    drawn = Sampler(SamplingParams(temperature=1.0, seed=0, min_new_tokens=50, max_new_tokens=50), ends=ends)
+    assert 1 not in [drawn(LOGITS).token for _ in range(50)] and 1 in [drawn(LOGITS).token for _ in range(50)]
+    logged = Sampler(SamplingParams(min_new_tokens=1, logprobs=2), ends=ends)(LOGITS)
+    held = LOGITS.clone()
+    held[1] = float("-inf")  # the logprobs are of the logits with the held-back token at -inf
+    assert logged.token == 2 and logged.logprob == pytest.approx(held.log_softmax(-1)[2].item())
+    assert [t for t, _ in logged.top_logprobs] == [2, 4]
+    batch = [Sampler(SamplingParams(min_new_tokens=1), ends=ends), Sampler(SamplingParams(), ends=ends)]
+    assert [s.token for s in sample(LOGITS.repeat(2, 1), batch)] == [2, 1]  # only the first row holds 1 back
+    assert [s.token for s in sample(LOGITS.repeat(2, 1), batch)] == [1, 1]
+
+
+@pytest.mark.parametrize("kwargs", [{"min_new_tokens": -1}, {"min_new_tokens": 5, "max_new_tokens": 4}])
+def test_min_new_tokens_out_of_range_is_refused(kwargs):
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(**kwargs)

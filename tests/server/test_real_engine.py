@@ -80,6 +80,25 @@ async def test_logit_bias_and_stop_token_ids_steer_the_reply_and_unknown_ids_are
         assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+async def test_min_tokens_holds_the_end_of_the_reply_back_until_then(client, byte_tokenizer):
+    [x] = byte_tokenizer.encode("x")
+    eos = 2  # the tiny model's end token, made the likeliest
+    ended = (await client.post(URL, json=ask("hello", 8, logit_bias={str(eos): 100}, ignore_eos=False))).json()
+    assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == 1
+    held = (await client.post(URL, json=ask("hello", 8, logit_bias={str(eos): 100}, ignore_eos=False,
+                                            min_tokens=3))).json()
+    assert held["choices"][0]["finish_reason"] == "stop" and held["usage"]["completion_tokens"] == 4  # 3, then the end
+    stopped = (await client.post(URL, json=ask("hello", 8, logit_bias={str(x): 100}, stop_token_ids=[x],
+                                               ignore_eos=False, min_tokens=2))).json()
+    assert stopped["usage"]["completion_tokens"] == 3 and "x" not in stopped["choices"][0]["message"]["content"]
+    long = (await client.post(URL, json=ask("hello", 8, logit_bias={str(eos): 100}, ignore_eos=False,
+                                            min_tokens=8))).json()
+    assert long["choices"][0]["finish_reason"] == "length" and long["usage"]["completion_tokens"] == 8
+    r = await client.post(URL, json=ask("hello", 4, min_tokens=5))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    assert r.json()["error"]["code"] == "invalid_value"
+
+
 async def test_a_text_completion_continues_the_raw_prompt_and_keeps_no_session(client, engine, byte_tokenizer):
     chat = (await client.post(URL, json=ask("hello there", 6))).json()["choices"][0]["message"]["content"]
     sessions = engine.stats().active_sessions

@@ -95,6 +95,17 @@ async def test_a_schema_that_does_not_compile_is_refused_by_name(client):
     assert err["param"] == "response_format.json_schema"
 
 
+async def test_min_tokens_with_a_constrained_reply_is_refused_by_name(client):
+    err = error_of(await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"},
+        "min_tokens": 4, "max_tokens": 8}), 400)
+    assert (err["param"], err["code"]) == ("min_tokens", "invalid_value")
+    plain = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}, "min_tokens": 4,
+        "max_tokens": 4, "temperature": 0})
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4
+
+
 def test_langchain_bind_tools_drives_a_call_and_the_tool_result_continues_the_session(app):
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, ToolMessage
