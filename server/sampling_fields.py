@@ -80,11 +80,12 @@ class SamplingRequest(Strict):
             if asked is not None and asked > max_tokens_limit:
                 raise APIError(400, f"{field} is {asked}, more than this server's limit of {max_tokens_limit} "
                                     f"tokens per reply", param=field, code="max_tokens_exceeded")
-        asked = next((getattr(self, f) for f in max_fields if getattr(self, f)), default_max_tokens)
+        source = next((f for f in max_fields if getattr(self, f)), None)
+        asked = getattr(self, source) if source else default_max_tokens
         longest = min(asked, max_tokens_limit)
         if self.min_tokens > longest:
             raise APIError(400, f"min_tokens is {self.min_tokens}, more than the reply's {longest} tokens at most "
-                                f"({max_fields[0]} or the server's default)", param="min_tokens", code="invalid_value")
+                                f"({source or 'the server default'})", param="min_tokens", code="invalid_value")
         return SamplingParams(
             max_new_tokens=longest,
             min_new_tokens=self.min_tokens,
