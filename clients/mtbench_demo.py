@@ -168,9 +168,11 @@ def parse_args(argv=None):
     p.add_argument("--reference", metavar="LABEL",
                    help="the run the others' times are divided by, turn by turn, in the flatness table")
     p.add_argument("--block", type=int, default=20, help="turns per line of the flatness table")
-    p.add_argument("--min-tokens", type=int, default=MIN_TOKENS,
+    p.add_argument("--shortest-timed", type=int, default=MIN_TOKENS, metavar="TOKENS",
                    help="replies shorter than this are left out of the flatness table (their rate is a few frames' gaps)")
     args = p.parse_args(argv)
+    if args.block < 1:
+        p.error("--block must be at least 1 turn")
     args.base_url = args.base_url or [DEFAULT_URL]
     if args.label and len(args.label) != len(args.base_url):
         p.error("give one --label per --base-url")
@@ -201,9 +203,9 @@ def main(argv=None) -> int:
         return 1
     plot_runs(runs, out / "mtbench.png")
     print("\n" + "\n".join(summarize(label, rows) for label, rows in runs.items()))
-    print(f"\nms per decoded token by blocks of {args.block} turns (replies of {args.min_tokens} tokens or more; "
+    print(f"\nms per decoded token by blocks of {args.block} turns (replies of {args.shortest_timed} tokens or more; "
           f"growth: a block's median over the first block's)\n")
-    print(flatness_table(runs, args.reference, args.block, args.min_tokens))
+    print(flatness_table(runs, args.reference, args.block, args.shortest_timed))
     print(f"\nwrote {', '.join(f'{label}.csv' for label in runs)} and mtbench.png to {out}/")
     return 1 if any(r["error"] for rows in runs.values() for r in rows) else 0
 

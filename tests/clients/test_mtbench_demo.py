@@ -2,6 +2,8 @@
 
 import csv
 
+import pytest
+
 from tests.clients.conftest import run_client
 
 
@@ -85,6 +87,9 @@ def test_interleaved_servers_play_turn_by_turn_and_the_table_divides_by_the_refe
 
 def test_full_replies_send_min_tokens_at_max_tokens_only_where_asked():
     from clients.mtbench_demo import parse_args, request_extras
+
+    with pytest.raises(SystemExit):
+        parse_args(["--block", "0"])
 
     assert request_extras(parse_args([])) == {}
     assert request_extras(parse_args(["--full-replies", "--max-tokens", "48", "--presence-penalty", "0.1"])) == {
