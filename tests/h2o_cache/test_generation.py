@@ -81,6 +81,17 @@ def test_eos_stops_with_reason_stop(tiny_model, byte_tokenizer):
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
 
 
+def test_min_new_tokens_holds_the_model_s_end_token_back_until_then(tiny_model, byte_tokenizer):
+    gen = Generator(tiny_model, byte_tokenizer, CacheConfig(policy="full"))
+    [eos] = gen.eos_token_ids
+    ending = SamplingParams(max_new_tokens=10, logit_bias=((eos, 100.0),))  # the end token, likeliest everywhere
+    [out] = gen.generate([[5, 6, 7]], ending)
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    [held] = gen.generate([[5, 6, 7]], SamplingParams(max_new_tokens=10, min_new_tokens=4, logit_bias=((eos, 100.0),)))
+    assert len(held.token_ids) == 5 and eos not in held.token_ids[:4] and held.token_ids[4] == eos
+    assert held.finish_reason == "stop"
+
+
 def test_non_rope_models_are_refused_by_name():
     from transformers import GPT2Config, GPT2LMHeadModel
 
