@@ -101,9 +101,9 @@ class Player:
               f"tokens · resident KV cache {u.get('kv_resident_tokens')} tokens", flush=True)
 
 
-async def play(players: list[Player], turns: list[dict], interleave: bool) -> None:
-    """Every player's conversation: one server after another, or with `interleave` turn by turn (turn n
-    on every server before turn n + 1), so that each turn's times on the servers are taken side by side."""
+async def play(players: list[Player], turns: list[dict]) -> None:
+    """The players' conversations turn by turn: turn n on every server before turn n + 1, so that each
+    turn's times on the servers are taken side by side (one player: its conversation alone)."""
     async with AsyncExitStack() as stack:
         for player in players:
             try:
@@ -111,11 +111,10 @@ async def play(players: list[Player], turns: list[dict], interleave: bool) -> No
             except ServerUnavailable as e:
                 print(f"error: {e}", file=sys.stderr)
                 player.rows, player.failed = [{"label": player.label, "turn": 1, "error": str(e)}], True
-        order = ([(n, player) for n in range(1, len(turns) + 1) for player in players] if interleave
-                 else [(n, player) for player in players for n in range(1, len(turns) + 1)])
-        for n, player in order:
-            if not player.failed:
-                await player.turn(n, turns[n - 1], len(turns))
+        for n, q in enumerate(turns, 1):
+            for player in players:
+                if not player.failed:
+                    await player.turn(n, q, len(turns))
 
 
 def summarize(label: str, rows: list[dict]) -> str:
@@ -194,7 +193,7 @@ def main(argv=None) -> int:
             return 1
         players = [Player(url, label, args) for url, label in zip(args.base_url, args.label)]
         for group in [players] if args.interleave else [[player] for player in players]:
-            asyncio.run(play(group, turns, args.interleave))
+            asyncio.run(play(group, turns))  # one server after another unless --interleave
         runs = {player.label: player.rows for player in players}
         for label, rows in runs.items():
             write_csv(out / f"{label}.csv", rows)
