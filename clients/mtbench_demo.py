@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 from clients.api import DEFAULT_URL, ApiError, Conversation, ServerUnavailable, make_client, served_model, wait_ready
 from clients.flatness import MIN_TOKENS, table as flatness_table
+from clients.loadbench import fixed_length
 from clients.plot import plot_runs, read_csv, write_csv
 from clients.questions import QuestionsNotFound, mtbench_turns
 
@@ -51,10 +52,10 @@ def penalties(args) -> dict:
 
 def request_extras(args) -> dict:
     """What every request carries beyond the OpenAI fields the demo always sends: the penalties given,
-    and with --full-replies the server's `min_tokens` at --max-tokens (every reply that long, so that
-    every turn has a decode rate to time and the conversation grows by the same length a turn on every
-    server; unlike `ignore_eos`, the reply stays text the conversation continues from)."""
-    return {**penalties(args), **({"min_tokens": args.max_tokens} if args.full_replies else {})}
+    and with --full-replies the fields of a reply exactly --max-tokens long (`loadbench.fixed_length`),
+    so that every turn has a decode rate to time and the conversation grows by the same length a turn
+    on every server."""
+    return {**penalties(args), **(fixed_length(args.max_tokens) if args.full_replies else {})}
 
 
 class Player:
@@ -163,7 +164,7 @@ def parse_args(argv=None):
                         "server after another, so their times are taken side by side")
     p.add_argument("--full-replies", action="store_true",
                    help="every reply exactly --max-tokens long (the server's min_tokens = max_tokens: its end of "
-                        "turn held back), so that every turn is timed and the conversations grow alike")
+                        "turn held back; and ignore_eos), so that every turn is timed and the conversations grow alike")
     p.add_argument("--reference", metavar="LABEL",
                    help="the run the others' times are divided by, turn by turn, in the flatness table")
     p.add_argument("--block", type=int, default=20, help="turns per line of the flatness table")

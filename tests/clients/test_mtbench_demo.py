@@ -93,7 +93,7 @@ def test_full_replies_send_min_tokens_at_max_tokens_only_where_asked():
 
     assert request_extras(parse_args([])) == {}
     assert request_extras(parse_args(["--full-replies", "--max-tokens", "48", "--presence-penalty", "0.1"])) == {
-        "min_tokens": 48, "presence_penalty": 0.1}
+        "min_tokens": 48, "ignore_eos": True, "presence_penalty": 0.1}
 
 
 def test_a_reference_that_names_no_run_is_a_clear_error(tmp_path):
