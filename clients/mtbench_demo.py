@@ -184,9 +184,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.plot:
-        runs = {rows[0]["label"] if rows else Path(f).stem: rows for f in args.plot for rows in [read_csv(Path(f))]}
-    else:
+    runs = {rows[0]["label"] if rows else Path(f).stem: rows for f in args.plot or () for rows in [read_csv(Path(f))]}
+    labels = list(runs) if args.plot else args.label
+    if args.reference is not None and args.reference not in labels:  # before a run of many minutes
+        print(f"error: --reference {args.reference!r} names no run (runs: {', '.join(labels)})", file=sys.stderr)
+        return 1
+    if not args.plot:
         try:
             turns = mtbench_turns(args.questions)[: args.turns or None]
         except (QuestionsNotFound, OSError) as e:
@@ -195,12 +198,9 @@ def main(argv=None) -> int:
         players = [Player(url, label, args) for url, label in zip(args.base_url, args.label)]
         for group in [players] if args.interleave else [[player] for player in players]:
             asyncio.run(play(group, turns))  # one server after another unless --interleave
-        runs = {player.label: player.rows for player in players}
-        for label, rows in runs.items():
-            write_csv(out / f"{label}.csv", rows)
-    if args.reference is not None and args.reference not in runs:
-        print(f"error: --reference {args.reference!r} names no run (runs: {', '.join(runs)})", file=sys.stderr)
-        return 1
+            for player in group:  # each run's CSV as soon as it ends: an interrupted demo keeps the runs done
+                runs[player.label] = player.rows
+                write_csv(out / f"{player.label}.csv", player.rows)
     plot_runs(runs, out / "mtbench.png")
     print("\n" + "\n".join(summarize(label, rows) for label, rows in runs.items()))
     print(f"\nms per decoded token by blocks of {args.block} turns (replies of {args.shortest_timed} tokens or more; "

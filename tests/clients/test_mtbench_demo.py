@@ -104,3 +104,12 @@ def test_a_reference_that_names_no_run_is_a_clear_error(tmp_path):
     r = run_client("mtbench_demo", "--plot", str(tmp_path / "h2o.csv"), "--reference", "full", "--out", str(tmp_path))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--reference 'full' names no run (runs: h2o)" in r.stderr
+
+
+def test_a_reference_that_names_no_server_fails_before_any_turn(tmp_path):
+    # nothing listens on the port: the check must come before the demo reaches for a server
+    r = run_client("mtbench_demo", "--base-url", "http://127.0.0.1:9", "--label", "recall", "--reference", "h2o",
+                   "--out", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--reference 'h2o' names no run (runs: recall)" in r.stderr
+    assert not list(tmp_path.glob("*.csv"))
