@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
 def error(status: int, message: str, code: str, type_: str = "invalid_request_error") -> JSONResponse:
@@ -20,11 +21,24 @@ def error(status: int, message: str, code: str, type_: str = "invalid_request_er
 
 
 def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001, replica: str = "",
-             prefill: float = 0.0) -> FastAPI:
+             prefill: float = 0.0, answer: Callable[[str], list[str]] | None = None, kv_bytes: int = 0) -> FastAPI:
     """delay: seconds per token; prefill: seconds before the first one, as a prompt's forward pass takes.
-    replica: a name sent back in X-Replica, so routing tests can tell the servers apart."""
+    replica: a name sent back in X-Replica, so routing tests can tell the servers apart. answer: the
+    reply's words for the last message's content (default w0 w1 ...), repeated to the reply's length.
+    kv_bytes: serve /metrics, each kept session holding this many bytes on the device and half as many
+    archived."""
     app = FastAPI()
     sessions: dict[str, int] = {}  # session id -> conversation length in tokens (words)
+
+    if kv_bytes:
+        @app.get("/metrics")
+        async def metrics():
+            n = len(sessions)
+            text = (f"# HELP h2o_active_sessions conversations kept\n# TYPE h2o_active_sessions gauge\n"
+                    f"h2o_active_sessions {n}.0\nh2o_resident_kv_bytes {n * kv_bytes}.0\n"
+                    f"h2o_archived_kv_bytes {n * kv_bytes // 2}.0\n"
+                    f'h2o_requests_finished_total{{reason="stop"}} {n}.0\n')
+            return PlainTextResponse(text)
 
     @app.get("/health")
     async def health():
@@ -55,6 +69,7 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
         sid = sid or uuid.uuid4().hex
         sessions[sid] = prompt + n
         fail = "FAIL_MIDSTREAM" in body["messages"][-1]["content"]
+        words = answer(body["messages"][-1]["content"]) if answer else None
 
         async def frames():
             await asyncio.sleep(prefill)
@@ -66,7 +81,8 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
                     yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
                     return
                 await asyncio.sleep(delay)
-                delta = {"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}
+                piece = f"{words[i % len(words)]} " if words else f"w{i} "
+                delta = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
                 yield f"data: {json.dumps({**base, 'choices': [delta]})}\n\n"
             done = {"index": 0, "delta": {}, "finish_reason": "length"}
             yield f"data: {json.dumps({**base, 'choices': [done]})}\n\n"
