@@ -1,7 +1,7 @@
 """A tiny stand-in for `python -m server`: the same HTTP contract, words as tokens, no model.
 
 It lets the client tests run in a second without loading a model. The contract it follows:
-SSE chunks, a final usage chunk with the server extras, an X-Session-ID header on every response,
+SSE chunks (one JSON body without `"stream": true`), a final usage chunk with the server extras, an X-Session-ID header on every response,
 session continuation by header, and the one error shape (context_length_exceeded past `context_limit`).
 """
 
@@ -70,6 +70,13 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
         sessions[sid] = prompt + n
         fail = "FAIL_MIDSTREAM" in body["messages"][-1]["content"]
         words = answer(body["messages"][-1]["content"]) if answer else None
+        if not body.get("stream"):  # one JSON body, as OpenAI's default
+            content = " ".join(words[i % len(words)] if words else f"w{i}" for i in range(n))
+            usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+            return JSONResponse({"id": "chatcmpl-fake", "object": "chat.completion", "model": "fake-model",
+                                 "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                              "finish_reason": "length"}], "usage": usage},
+                                headers={"X-Session-ID": sid, "X-Replica": replica})
 
         async def frames():
             await asyncio.sleep(prefill)

@@ -1,6 +1,6 @@
 """`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
 
-from clients.needle import FORMS, NAMES, document, filler_words, message, passage_start
+from clients.needle import FORMS, NAMES, SUMMARIZE, TURN_REPLY, TURN_WORDS, converse, document, filler_words, later_turns, message, passage_start
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -62,3 +62,33 @@ def test_the_name_form_s_names_are_distinct_and_none_is_in_the_articles():
     articles = " ".join(filler_words(shared_data("xsum_dev.jsonl")))
     assert len(set(NAMES)) == len(NAMES) == 20
     assert [name for name in NAMES if name in articles] == []  # a hit can only come from the planted sentence
+
+
+def test_the_turns_after_a_document_paste_other_words_and_ask_for_a_summary():
+    later = later_turns(WORDS, index=1, turns=3)
+    assert len(later) == 3 and all(m.endswith(SUMMARIZE) for m in later)
+    pieces = [m[:-len(SUMMARIZE)].split() for m in later]
+    assert all(len(p) == TURN_WORDS for p in pieces) and len({p[0] for p in pieces}) == 3
+    document_words = set(document("code", WORDS, 1000, 0.5, 123456, index=1).split())
+    assert not document_words & {w for p in pieces for w in p}  # other articles than the document's
+    assert later_turns(WORDS, index=2, turns=3)[0] != later[0]  # each key's conversation its own
+
+
+def test_a_conversation_sends_the_whole_history_and_asks_the_question_alone_last(fake_server):
+    import httpx
+    text = document("code", WORDS, 200, 0.5, 654321, index=0)
+    later = later_turns(WORDS, 0, 2)
+    with httpx.Client(timeout=30) as client:
+        reply, tokens = converse(client, fake_server, "code", text, later, max_tokens=5)
+    assert reply.split() == ["w0", "w1", "w2", "w3", "w4"]
+    # the fake server counts the words of every message it was sent: the document with its request, the
+    # two later messages, three replies of TURN_REPLY words and the question
+    question = FORMS["code"].question
+    words = len(f"{text}\n\n{SUMMARIZE}".split()) + sum(len(m.split()) for m in later) + 3 * TURN_REPLY + len(question.split())
+    assert tokens == words
+
+
+def test_turns_are_counted_from_zero(fake_server):
+    from tests.clients.conftest import run_client
+    bad = run_client("needle", "--base-url", fake_server, "--turns", "-1")
+    assert bad.returncode == 2 and "--turns" in bad.stderr
