@@ -134,7 +134,8 @@ TURN_REPLY = 32  # tokens of each reply before the question
 
 def later_turns(words: list[str], index: int, turns: int) -> list[str]:
     """The user messages of a conversation's `turns` turns after the document: each a piece of other
-    articles (TURN_WORDS words, from half the filler away, so not the document's) and SUMMARIZE."""
+    articles (TURN_WORDS words from half the filler away: not the documents', which start in its first
+    half, until keys x turns x TURN_WORDS words run past the end and wrap around) and SUMMARIZE."""
     start = len(words) // 2 + index * turns * TURN_WORDS
     return [f"{' '.join(words[(start + t * TURN_WORDS + i) % len(words)] for i in range(TURN_WORDS))}\n\n{SUMMARIZE}"
             for t in range(turns)]
