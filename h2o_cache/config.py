@@ -48,6 +48,9 @@ class CacheConfig:
     recall_archive: most evicted tokens per layer/KV head a row archives; the oldest go first.
     recall_probe: the last tokens of a turn's prompt, fed as chunks of their own so that their
         queries (the question) choose the window the reply starts with.
+    recall_probe_break: the probe starts after the last blank line within those tokens, where there is
+        one (a question set apart from the document it asks about), so that the question's queries
+        alone choose (`Generator.probe_start`).
     recall_burst: decode passes after each prefill that all choose the window by the last queries
         (where a reply starts to answer about the prompt), before choices every `recall_interval`.
     recall_interval: decode passes between two choices of the window by the last queries after the
@@ -119,6 +122,10 @@ class CacheConfig:
     recall_digest: str = "centre"
     recall_archive: int = 16384
     recall_probe: int = 64
+    # measured (RESULTS.md, "The question alone probes"): a code said once in a ~2k / ~4k-token message,
+    # 15/24 / 25/36 probing with the last 64 tokens, 19/24 / 30/36 with the question alone; the server's
+    # default is True, the library's False (its benches' results are the fixed tail's)
+    recall_probe_break: bool = False
     recall_burst: int = 16  # measured: 30-turn pass key 5/5 choosing every step, 3/5 every 16th
     # measured (RESULTS.md, "How often a decode step chooses"): 160-token continuations of a 2k-token
     # text lose 0.044 nats/token choosing every 16th step against every step, 0.015 every 4th, and every

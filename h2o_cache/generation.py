@@ -15,7 +15,7 @@ from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.hf import forward, model_spec
 from h2o_cache.sampling import Sample, Sampler, SamplingParams, sample
-from h2o_cache.text import StreamDecoder, byte_table
+from h2o_cache.text import StreamDecoder, byte_table, line_breaks, probe_start
 
 
 @dataclass
@@ -42,12 +42,23 @@ class Generator:
         eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
         self._byte_table: list[bytes] | None = None  # computed on first use: [] when the tokenizer has none
+        self._breaks: tuple | None = None  # `line_breaks`, computed on first use
 
     def stream_decoder(self, stop: tuple[str, ...] = ()) -> StreamDecoder:
         """A detokenizer for one sequence (byte-table fast path when the tokenizer allows, see `text`)."""
         if self._byte_table is None:
             self._byte_table = byte_table(self.tokenizer) or []
         return StreamDecoder(self.tokenizer, stop, self._byte_table or None)
+
+    def probe_start(self, tokens, config: CacheConfig) -> int:
+        """Where a turn's probe (`recall_probe`, `recall_probe_break`) starts in its prompt `tokens`."""
+        if not config.recall_probe_break:
+            return probe_start(tokens, config.recall_probe, None)
+        if self._breaks is None:
+            if self._byte_table is None:
+                self._byte_table = byte_table(self.tokenizer) or []
+            self._breaks = line_breaks(self.tokenizer, self._byte_table or None)
+        return probe_start(tokens, config.recall_probe, self._breaks)
 
     def new_cache(self, rows: int = 0, config: CacheConfig | None = None) -> H2OCache:
         return H2OCache(self.spec, config or self.config, rows)
@@ -63,7 +74,8 @@ class Generator:
         """Feed tokens[b] to row b, in chunks of at most `prefill_chunk` tokens per row.
 
         recall: tokens are a new turn's prompt; with a cache that recalls, its last `recall_probe`
-        tokens (where the question usually is) are fed as chunks of their own, so that their queries
+        tokens (where the question usually is; with `recall_probe_break`, from the last blank line among
+        them: `probe_start`) are fed as chunks of their own, so that their queries
         alone choose the recall window the reply starts with (with `recall_ahead`, the chunks before
         them take the window their previous chunk's queries chose: one choice per chunk, not one per
         layer).
@@ -72,11 +84,11 @@ class Generator:
         if any(not t for t in tokens):
             raise ValueError("every row needs at least one token to prefill")
         if recall and cache.config.recalls:
-            tail = cache.config.recall_probe
-            heads = [t[:-tail] for t in tokens]
+            starts = [self.probe_start(t, cache.config) for t in tokens]
+            heads = [t[:at] for t, at in zip(tokens, starts)]
             if any(heads):
                 self._prefill(cache, heads, ahead=True)
-            tokens = [t[-tail:] for t in tokens]
+            tokens = [t[at:] for t, at in zip(tokens, starts)]
         return torch.stack(self._prefill(cache, tokens))
 
     def _prefill(self, cache: H2OCache, tokens: list[list[int]], ahead: bool = False) -> list[torch.Tensor | None]:

@@ -103,3 +103,31 @@ class StreamDecoder:
             if text.endswith(stop[:n]):
                 return n
         return 0
+
+
+def line_breaks(tokenizer, table: list[bytes] | None = None) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+    """The token ids whose text ends with a newline, starts with one, and holds a blank line ("\n\n"),
+    from a byte table (`byte_table`) where given, else by decoding each id (special tokens: none)."""
+    if table is None:
+        special = set(getattr(tokenizer, "all_special_ids", ()))
+        texts = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+    else:
+        texts = table
+    return (frozenset(i for i, t in enumerate(texts) if t.endswith(b"\n")),
+            frozenset(i for i, t in enumerate(texts) if t.startswith(b"\n")),
+            frozenset(i for i, t in enumerate(texts) if b"\n\n" in t))
+
+
+def probe_start(tokens, probe: int, breaks: tuple[frozenset[int], frozenset[int], frozenset[int]] | None) -> int:
+    """Where a turn's probe starts in `tokens` (>= 1 of them): `probe` tokens from the end, or with
+    `breaks` (`line_breaks`) at the last blank line within them, so that a question set apart from the
+    document before it probes alone. The probe keeps at least one token."""
+    n = len(tokens)
+    low = max(n - probe, 0)
+    if breaks is None:
+        return low
+    ends, starts, blank = breaks
+    for i in range(n - 1, low, -1):  # the blank line that token i completes
+        if tokens[i] in blank or (tokens[i] in starts and tokens[i - 1] in ends):
+            return min(i, n - 1)
+    return low

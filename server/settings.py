@@ -117,6 +117,9 @@ class ServerSettings(BaseSettings):
     recall_probe: int = Field(
         64, ge=1, le=65536, description="last tokens of a turn's prompt, fed as chunks of their own so that their "
                                         "queries (the question) alone choose the recall window the reply starts with")
+    recall_probe_break: bool = Field(
+        True, description="the probe starts after the last blank line within those tokens where there is one, so "
+                          "that a question set apart from a pasted document probes alone")
     recall_burst: int = Field(
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")
@@ -233,6 +236,7 @@ class ServerSettings(BaseSettings):
                            recall_budget=self.recall, recall_block=self.recall_block, recall_digest=self.recall_digest,
                            recall_positions=positions, recall_rank_steps=self.recall_rank_steps,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
+                           recall_probe_break=self.recall_probe_break and bool(self.recall),
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,

@@ -32,9 +32,13 @@ class ByteTokenizer:
 
     pad_token_id, eos_token_id = 0, 2
     eos_token = "</s>"
+    all_special_ids = [0, 1, 2]
 
     def __init__(self, vocab: int = 128):
         self.vocab = vocab
+
+    def __len__(self) -> int:
+        return self.vocab
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b % (self.vocab - 3) + 3 for b in text.encode()]

@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 
 from llguidance import LLMatcher
 
-from h2o_cache import H2OCache, Sample, Sampler, SamplingParams, StreamDecoder, consume
+from h2o_cache import CacheConfig, H2OCache, Sample, Sampler, SamplingParams, StreamDecoder, consume
 from server.engine.conversation import assistant_message
 from server.engine.handle import Channel
 from server.engine.session import Session
@@ -87,12 +87,13 @@ class Sequence:
         return self.sampler is not None
 
     def start(self, new_cache: Callable[[], H2OCache], new_decoder: Callable[[tuple[str, ...]], StreamDecoder],
-              ends: Iterable[int] = ()) -> None:
+              ends: Iterable[int] = (), probe: Callable[[list[int], CacheConfig], int] | None = None) -> None:
         """Take the session's cache when the turn continues it, else a new one, to prefill.
 
         The session's pending token now leads `turn.prefill`. Until this, a cancelled request
         leaves its session untouched. ends: the model's end tokens, held back until the reply's
-        `min_new_tokens` (`Sampler`).
+        `min_new_tokens` (`Sampler`). probe: where the turn's probe starts (`Generator.probe_start`);
+        None: its last `recall_probe` tokens.
         """
         cache = self.session.cache if self.turn.continues else None
         self.session.cache = None
@@ -100,7 +101,9 @@ class Sequence:
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
         if self.cache.config.recalls:  # the tail is fed on its own, as `Generator.prefill` does
-            self.tail_at = max(len(self.turn.prefill) - self.cache.config.recall_probe, 0)
+            config = self.cache.config
+            self.tail_at = (probe(self.turn.prefill, config) if probe is not None
+                            else max(len(self.turn.prefill) - config.recall_probe, 0))
         self.recall_base = self.cache.recall_count[0]
         # the repetition penalty counts every token the conversation holds as seen
         prompt = [*self.history, *self.turn.prefill] if self.params.repetition_penalty != 1 else ()

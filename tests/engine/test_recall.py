@@ -143,3 +143,16 @@ async def test_a_failed_recall_fails_only_its_own_request(make_engine, monkeypat
     assert isinstance(failed, GenerationFailed) and "injected recall failure" in str(failed)
     assert fine.token_ids == control.token_ids
     assert engine.sessions.get("bob", firsts[1].session_id).cache is None  # forgotten: the next turn prefills
+
+
+async def test_a_question_set_apart_from_its_document_probes_alone_as_generate_does(make_engine):
+    """With `recall_probe_break` the engine's probe starts at the turn's last blank line, as the library's."""
+    engine = make_engine(policy="h2o", budget=32, cache={**RECALL, "recall_probe_break": True})
+    document = " ".join(["a long pasted document about caches and budgets"] * 4)
+    replies, states = await talk(engine, [f"{document}\n\nwhy?"])
+    assert states[0][0][1] > 0  # the window holds recalled tokens
+    tokens = list(states[0][1][:len(states[0][1]) - len(replies[0].token_ids)])
+    start = engine.generator.probe_start(tokens, engine.cache_config)
+    assert len(tokens) - RECALL["recall_probe"] < start < len(tokens) - 12  # the question and the template alone
+    assert bytes(t - 3 for t in tokens[start:]).startswith(b"\nwhy?")
+    assert_as_generate(engine, replies, states)

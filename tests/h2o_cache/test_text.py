@@ -53,3 +53,27 @@ def test_the_byte_table_streams_what_decode_gives_on_the_default_tokenizer(defau
         streamed = ["".join(d.push(t) for t in ids) for d in (fast, slow)]
         assert streamed[0] == streamed[1] == fast.text == slow.text
         assert fast.stopped and slow.stopped and stop[0] not in fast.text
+
+
+def test_a_probe_starts_at_the_last_blank_line_within_its_tokens_or_at_its_length_from_the_end():
+    from h2o_cache.text import line_breaks, probe_start
+    tokenizer = ByteTokenizer(vocab=259)
+    breaks = line_breaks(tokenizer)
+    newline = tokenizer.encode("\n")[0]
+    assert breaks[0] == breaks[1] == {newline} and not breaks[2]  # one byte a token: no token holds "\n\n"
+    text = "a pasted document, line one.\nline two.\n\nWhat is the code?\n<assistant>"
+    tokens = tokenizer.encode(text)
+    question = text.index("\n\nWhat") + 1  # the second newline: the one that makes the line blank
+    assert probe_start(tokens, 64, breaks) == question
+    assert probe_start(tokens, 64, None) == len(tokens) - 64  # the fixed tail, as before
+    assert probe_start(tokens, 10, breaks) == len(tokens) - 10  # no blank line within the last 10
+    assert probe_start(tokens, 1000, None) == 0 == probe_start(tokenizer.encode("no break"), 1000, breaks)
+    # a blank line as the turn's last tokens still leaves the probe a token
+    assert probe_start(tokenizer.encode("x\n\n"), 8, breaks) == 2
+
+
+def test_line_breaks_read_a_byte_table_where_there_is_one():
+    from h2o_cache.text import line_breaks
+    table = [b"", b"a", b"\n", b"b\n", b"\nc", b"\n\n", b"x\n\ny"]
+    ends, starts, blank = line_breaks(None, table)
+    assert ends == {2, 3, 5} and starts == {2, 4, 5} and blank == {5, 6}
