@@ -111,10 +111,12 @@ def document(form: str, words: list[str], length: int, depth: float, key, index:
     return planted(words, start, length, depth, kind.sentence.format(key=key))
 
 
-def message(form: str, text: str) -> str:
-    """The user message: the text and the form's question, after what the form says up front if anything."""
+def message(form: str, text: str, ending: str | None = None) -> str:
+    """The user message: the text and the form's question (or `ending`), after what the form says up front
+    if anything."""
     kind = FORMS[form]
-    return f"{kind.intro}\n\n{text}\n\n{kind.question}" if kind.intro else f"{text}\n\n{kind.question}"
+    ending = kind.question if ending is None else ending
+    return f"{kind.intro}\n\n{text}\n\n{ending}" if kind.intro else f"{text}\n\n{ending}"
 
 
 def ask(client: httpx.Client, url: str, content: str | list[dict], max_tokens: int) -> tuple[str, int]:
@@ -146,9 +148,8 @@ def converse(client: httpx.Client, url: str, form: str, text: str, later: list[s
     messages, each answered (TURN_REPLY tokens, greedy), then the form's question alone. The whole history
     goes with every request, as OpenAI clients send it (the server prefills only what is new). Returns
     the question's reply and the conversation's prompt tokens then."""
-    intro = FORMS[form].intro
     history: list[dict] = []
-    for content in [f"{intro}\n\n{text}\n\n{SUMMARIZE}" if intro else f"{text}\n\n{SUMMARIZE}", *later]:
+    for content in [message(form, text, SUMMARIZE), *later]:
         history.append({"role": "user", "content": content})
         reply, _ = ask(client, url, history, TURN_REPLY)
         history.append({"role": "assistant", "content": reply})

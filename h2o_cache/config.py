@@ -123,7 +123,7 @@ class CacheConfig:
     recall_archive: int = 16384
     recall_probe: int = 64
     # measured (RESULTS.md, "The question alone probes"): a code said once in a ~2k / ~4k-token message,
-    # 15/24 / 25/36 probing with the last 64 tokens, 19/24 / 30/36 with the question alone; the server's
+    # 15/24 / 25/36 probing with the last 64 tokens, 19/24 / 28/36 from the blank line; the server's
     # default is True, the library's False (its benches' results are the fixed tail's)
     recall_probe_break: bool = False
     recall_burst: int = 16  # measured: 30-turn pass key 5/5 choosing every step, 3/5 every 16th

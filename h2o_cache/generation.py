@@ -44,20 +44,22 @@ class Generator:
         self._byte_table: list[bytes] | None = None  # computed on first use: [] when the tokenizer has none
         self._breaks: tuple | None = None  # `line_breaks`, computed on first use
 
-    def stream_decoder(self, stop: tuple[str, ...] = ()) -> StreamDecoder:
-        """A detokenizer for one sequence (byte-table fast path when the tokenizer allows, see `text`)."""
+    def _bytes(self) -> list[bytes] | None:
+        """The tokenizer's byte table (`text.byte_table`), computed on first use; None where it has none."""
         if self._byte_table is None:
             self._byte_table = byte_table(self.tokenizer) or []
-        return StreamDecoder(self.tokenizer, stop, self._byte_table or None)
+        return self._byte_table or None
+
+    def stream_decoder(self, stop: tuple[str, ...] = ()) -> StreamDecoder:
+        """A detokenizer for one sequence (byte-table fast path when the tokenizer allows, see `text`)."""
+        return StreamDecoder(self.tokenizer, stop, self._bytes())
 
     def probe_start(self, tokens, config: CacheConfig) -> int:
         """Where a turn's probe (`recall_probe`, `recall_probe_break`) starts in its prompt `tokens`."""
         if not config.recall_probe_break:
             return probe_start(tokens, config.recall_probe, None)
         if self._breaks is None:
-            if self._byte_table is None:
-                self._byte_table = byte_table(self.tokenizer) or []
-            self._breaks = line_breaks(self.tokenizer, self._byte_table or None)
+            self._breaks = line_breaks(self.tokenizer, self._bytes())
         return probe_start(tokens, config.recall_probe, self._breaks)
 
     def new_cache(self, rows: int = 0, config: CacheConfig | None = None) -> H2OCache:

@@ -129,5 +129,5 @@ def probe_start(tokens, probe: int, breaks: tuple[frozenset[int], frozenset[int]
     ends, starts, blank = breaks
     for i in range(n - 1, low, -1):  # the blank line that token i completes
         if tokens[i] in blank or (tokens[i] in starts and tokens[i - 1] in ends):
-            return min(i, n - 1)
+            return i
     return low

@@ -115,7 +115,7 @@ class Batcher:
             try:
                 if not seq.started:
                     seq.start(lambda: self.generator.new_cache(1), self.generator.stream_decoder,
-                              self.generator.eos_token_ids, self.generator.probe_start)
+                              self.generator.probe_start, self.generator.eos_token_ids)
                 started.append(seq)
             except Exception as error:
                 log.exception("prefill failed for request %s", seq.request_id)

@@ -34,8 +34,8 @@ class Sequence:
     before this turn (see `token_ids`). While RUNNING, its row of the batch cache holds
     the state and `cache` is None; the row's pending token is the last one sampled.
 
-    When the cache recalls, the turn's last `recall_probe` tokens (where the question usually is)
-    are fed as chunks of their own, so that their queries alone choose the recall window the reply
+    When the cache recalls, the turn's last `recall_probe` tokens (where the question usually is; with
+    `recall_probe_break`, from the last blank line among them) are fed as chunks of their own, so that their queries alone choose the recall window the reply
     starts with, as `Generator.prefill(recall=True)` does: `tail_at` is where they start in
     `turn.prefill`. `recalled` counts the tokens per layer/KV head copied into the window during the
     turn (set when it finishes).
@@ -87,13 +87,12 @@ class Sequence:
         return self.sampler is not None
 
     def start(self, new_cache: Callable[[], H2OCache], new_decoder: Callable[[tuple[str, ...]], StreamDecoder],
-              ends: Iterable[int] = (), probe: Callable[[list[int], CacheConfig], int] | None = None) -> None:
+              probe: Callable[[list[int], CacheConfig], int], ends: Iterable[int] = ()) -> None:
         """Take the session's cache when the turn continues it, else a new one, to prefill.
 
         The session's pending token now leads `turn.prefill`. Until this, a cancelled request
         leaves its session untouched. ends: the model's end tokens, held back until the reply's
-        `min_new_tokens` (`Sampler`). probe: where the turn's probe starts (`Generator.probe_start`);
-        None: its last `recall_probe` tokens.
+        `min_new_tokens` (`Sampler`). probe: where the turn's probe starts (`Generator.probe_start`).
         """
         cache = self.session.cache if self.turn.continues else None
         self.session.cache = None
@@ -101,9 +100,7 @@ class Sequence:
         self.cache = cache or new_cache()
         self.cache.pending[0] = []
         if self.cache.config.recalls:  # the tail is fed on its own, as `Generator.prefill` does
-            config = self.cache.config
-            self.tail_at = (probe(self.turn.prefill, config) if probe is not None
-                            else max(len(self.turn.prefill) - config.recall_probe, 0))
+            self.tail_at = probe(self.turn.prefill, self.cache.config)
         self.recall_base = self.cache.recall_count[0]
         # the repetition penalty counts every token the conversation holds as seen
         prompt = [*self.history, *self.turn.prefill] if self.params.repetition_penalty != 1 else ()

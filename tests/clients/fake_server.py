@@ -70,8 +70,12 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
         sessions[sid] = prompt + n
         fail = "FAIL_MIDSTREAM" in body["messages"][-1]["content"]
         words = answer(body["messages"][-1]["content"]) if answer else None
+
+        def word(i: int) -> str:
+            return words[i % len(words)] if words else f"w{i}"
+
         if not body.get("stream"):  # one JSON body, as OpenAI's default
-            content = " ".join(words[i % len(words)] if words else f"w{i}" for i in range(n))
+            content = " ".join(word(i) for i in range(n))
             usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
             return JSONResponse({"id": "chatcmpl-fake", "object": "chat.completion", "model": "fake-model",
                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
@@ -88,8 +92,7 @@ def make_app(context_limit: int = 10_000, budget: int = 64, delay: float = 0.001
                     yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
                     return
                 await asyncio.sleep(delay)
-                piece = f"{words[i % len(words)]} " if words else f"w{i} "
-                delta = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                delta = {"index": 0, "delta": {"content": f"{word(i)} "}, "finish_reason": None}
                 yield f"data: {json.dumps({**base, 'choices': [delta]})}\n\n"
             done = {"index": 0, "delta": {}, "finish_reason": "length"}
             yield f"data: {json.dumps({**base, 'choices': [done]})}\n\n"
