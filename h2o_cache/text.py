@@ -120,8 +120,9 @@ def line_breaks(tokenizer, table: list[bytes] | None = None) -> tuple[frozenset[
 
 def probe_start(tokens, probe: int, breaks: tuple[frozenset[int], frozenset[int], frozenset[int]] | None) -> int:
     """Where a turn's probe starts in `tokens` (>= 1 of them): `probe` tokens from the end, or with
-    `breaks` (`line_breaks`) at the last blank line within them, so that a question set apart from the
-    document before it probes alone. The probe keeps at least one token."""
+    `breaks` (`line_breaks`) right after the last blank line within them (at the token that completes it
+    where that token carries text after its newlines), so that a question set apart from the document
+    before it probes alone, without the newline's own query. The probe keeps at least one token."""
     n = len(tokens)
     low = max(n - probe, 0)
     if breaks is None:
@@ -129,5 +130,5 @@ def probe_start(tokens, probe: int, breaks: tuple[frozenset[int], frozenset[int]
     ends, starts, blank = breaks
     for i in range(n - 1, low, -1):  # the blank line that token i completes
         if tokens[i] in blank or (tokens[i] in starts and tokens[i - 1] in ends):
-            return i
+            return i + 1 if tokens[i] in ends and i + 1 < n else i
     return low

@@ -236,7 +236,7 @@ class ServerSettings(BaseSettings):
                            recall_budget=self.recall, recall_block=self.recall_block, recall_digest=self.recall_digest,
                            recall_positions=positions, recall_rank_steps=self.recall_rank_steps,
                            recall_archive=self.recall_archive, recall_probe=self.recall_probe,
-                           recall_probe_break=self.recall_probe_break and bool(self.recall),
+                           recall_probe_break=self.recall_probe_break,
                            recall_burst=self.recall_burst, recall_interval=self.recall_interval,
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,

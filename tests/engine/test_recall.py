@@ -154,5 +154,5 @@ async def test_a_question_set_apart_from_its_document_probes_alone_as_generate_d
     tokens = list(states[0][1][:len(states[0][1]) - len(replies[0].token_ids)])
     start = engine.generator.probe_start(tokens, engine.cache_config)
     assert len(tokens) - RECALL["recall_probe"] < start < len(tokens) - 12  # the question and the template alone
-    assert bytes(t - 3 for t in tokens[start:]).startswith(b"\nwhy?")
+    assert bytes(t - 3 for t in tokens[start:]).startswith(b"why?")
     assert_as_generate(engine, replies, states)

@@ -63,13 +63,17 @@ def test_a_probe_starts_at_the_last_blank_line_within_its_tokens_or_at_its_lengt
     assert breaks[0] == breaks[1] == {newline} and not breaks[2]  # one byte a token: no token holds "\n\n"
     text = "a pasted document, line one.\nline two.\n\nWhat is the code?\n<assistant>"
     tokens = tokenizer.encode(text)
-    question = text.index("\n\nWhat") + 1  # the second newline: the one that makes the line blank
+    question = text.index("\n\nWhat") + 2  # after the second newline, the one that makes the line blank
     assert probe_start(tokens, 64, breaks) == question
     assert probe_start(tokens, 64, None) == len(tokens) - 64  # the fixed tail, as before
     assert probe_start(tokens, 10, breaks) == len(tokens) - 10  # no blank line within the last 10
     assert probe_start(tokens, 1000, None) == 0 == probe_start(tokenizer.encode("no break"), 1000, breaks)
     # a blank line as the turn's last tokens still leaves the probe a token
     assert probe_start(tokenizer.encode("x\n\n"), 8, breaks) == 2
+    # a token that holds the blank line and text after it starts the probe
+    table = [b"", b"a", b"\n", b"\n\n", b"\n\n  ", b"?"]
+    assert probe_start([1, 1, 3, 1, 5], 8, line_breaks(None, table)) == 3
+    assert probe_start([1, 1, 4, 1, 5], 8, line_breaks(None, table)) == 2
 
 
 def test_line_breaks_read_a_byte_table_where_there_is_one():
