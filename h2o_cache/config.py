@@ -122,10 +122,11 @@ class CacheConfig:
     recall_digest: str = "centre"
     recall_archive: int = 16384
     recall_probe: int = 64
-    # measured (RESULTS.md, "The question alone probes" and "The library probes as the server does"): a code
-    # said once in a ~2k / ~4k-token message 15/24 / 25/36 probing with the last 64 tokens, 19/24 / 30/36
-    # after the blank line; but three secrets listed in one answer 44/60, not 52/60 (full 54)
-    recall_probe_break: bool = True
+    # measured (RESULTS.md, "The question alone probes" and "A probe after the blank line trades one form
+    # for another"): a code said once in a ~2k / ~4k-token message 19/24 / 30/36 after the blank line
+    # against 15/24 / 25/36 probing with the last 64 tokens, but three secrets listed in one answer 44/60
+    # against 52/60 (full 54) and a name said once 2/30 against 6/30 (full 14): off, here and in the server
+    recall_probe_break: bool = False
     recall_burst: int = 16  # measured: 30-turn pass key 5/5 choosing every step, 3/5 every 16th
     # measured (RESULTS.md, "How often a decode step chooses"): 160-token continuations of a 2k-token
     # text lose 0.044 nats/token choosing every 16th step against every step, 0.015 every 4th, and every

@@ -76,7 +76,7 @@ class Generator:
         """Feed tokens[b] to row b, in chunks of at most `prefill_chunk` tokens per row.
 
         recall: tokens are a new turn's prompt; with a cache that recalls, its last `recall_probe`
-        tokens (where the question usually is; with `recall_probe_break`, from the last blank line among
+        tokens (where the question usually is; with `recall_probe_break`, after the last blank line among
         them: `probe_start`) are fed as chunks of their own, so that their queries
         alone choose the recall window the reply starts with (with `recall_ahead`, the chunks before
         them take the window their previous chunk's queries chose: one choice per chunk, not one per

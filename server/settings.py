@@ -118,8 +118,9 @@ class ServerSettings(BaseSettings):
         64, ge=1, le=65536, description="last tokens of a turn's prompt, fed as chunks of their own so that their "
                                         "queries (the question) alone choose the recall window the reply starts with")
     recall_probe_break: bool = Field(
-        True, description="the probe starts after the last blank line within those tokens where there is one, so "
-                          "that a question set apart from a pasted document probes alone")
+        False, description="the probe starts after the last blank line within those tokens where there is one, so "
+                           "that a question set apart from a pasted document probes alone (finds more codes said "
+                           "once, fewer names and listed secrets)")
     recall_burst: int = Field(
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")

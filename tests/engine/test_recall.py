@@ -146,7 +146,7 @@ async def test_a_failed_recall_fails_only_its_own_request(make_engine, monkeypat
 
 
 async def test_a_question_set_apart_from_its_document_probes_alone_as_generate_does(make_engine):
-    """With `recall_probe_break` the engine's probe starts at the turn's last blank line, as the library's."""
+    """With `recall_probe_break` the engine's probe starts after the turn's last blank line, as the library's."""
     engine = make_engine(policy="h2o", budget=32, cache={**RECALL, "recall_probe_break": True})
     document = " ".join(["a long pasted document about caches and budgets"] * 4)
     replies, states = await talk(engine, [f"{document}\n\nwhy?"])

@@ -63,9 +63,9 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     config = parse("--recall-queries", "16", "--recall-ahead").cache_config()
     assert (config.recall_queries, config.recall_ahead) == (16, True)
     assert parse("--recall-voters", "3").cache_config().recall_voters == 3
-    # the server probes with the question alone where a blank line sets it apart, as the library does by default
-    assert parse().cache_config().recall_probe_break and not parse("--no-recall-probe-break").cache_config().recall_probe_break
-    assert CacheConfig().recall_probe_break
+    # the question alone probes where a blank line sets it apart only when asked, in the server and the library
+    assert parse("--recall-probe-break").cache_config().recall_probe_break and not parse().cache_config().recall_probe_break
+    assert not CacheConfig().recall_probe_break
     assert parse().cache_config().recall_digest == "centre"
     assert parse("--recall-digest", "mean").cache_config().recall_digest == "mean"
     assert parse("--recall-digest", "minmax").cache_config().recall_digest == "minmax"
