@@ -35,10 +35,10 @@ class Sequence:
     the state and `cache` is None; the row's pending token is the last one sampled.
 
     When the cache recalls, the turn's last `recall_probe` tokens (where the question usually is; with
-    `recall_probe_break`, those after the last blank line among them) are fed as chunks of their own, so that their queries alone choose the recall window the reply
-    starts with, as `Generator.prefill(recall=True)` does: `tail_at` is where they start in
-    `turn.prefill`. `recalled` counts the tokens per layer/KV head copied into the window during the
-    turn (set when it finishes).
+    `recall_probe_break`, those after the last blank line among them) are fed as chunks of their own, so
+    that their queries alone choose the recall window the reply starts with, as
+    `Generator.prefill(recall=True)` does: `tail_at` is where they start in `turn.prefill`. `recalled`
+    counts the tokens per layer/KV head copied into the window during the turn (set when it finishes).
 
     When the request offers tools, the reply streams up to its first `<tool_call>` and the rest is
     held (`holdback`) until `conclude` tells calls from text.

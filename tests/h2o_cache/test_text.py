@@ -55,7 +55,7 @@ def test_the_byte_table_streams_what_decode_gives_on_the_default_tokenizer(defau
         assert fast.stopped and slow.stopped and stop[0] not in fast.text
 
 
-def test_a_probe_starts_at_the_last_blank_line_within_its_tokens_or_at_its_length_from_the_end():
+def test_a_probe_starts_after_the_last_blank_line_within_its_tokens_or_at_its_length_from_the_end():
     from h2o_cache.text import line_breaks, probe_start
     tokenizer = ByteTokenizer(vocab=259)
     breaks = line_breaks(tokenizer)
