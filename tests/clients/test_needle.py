@@ -23,6 +23,20 @@ def test_the_code_form_says_nothing_up_front_and_the_passkey_form_does():
     assert passkey.startswith("There is a pass key hidden") and passkey.count("54321") == 2
 
 
+def test_asked_first_the_question_comes_before_the_text_and_after_what_is_said_up_front():
+    code = message("code", "some text", ask_first=True)
+    assert code == f"{FORMS['code'].question}\n\nsome text"
+    passkey = message("passkey", "some text", ask_first=True)
+    assert passkey == f"{FORMS['passkey'].intro}\n\n{FORMS['passkey'].question}\n\nsome text"
+    assert message("code", "some text") == f"some text\n\n{FORMS['code'].question}"
+
+
+def test_asking_first_is_a_form_of_one_message(fake_server):
+    from tests.clients.conftest import run_client
+    bad = run_client("needle", "--base-url", fake_server, "--ask-first", "--turns", "2")
+    assert bad.returncode == 2 and "--ask-first" in bad.stderr
+
+
 def test_a_json_lines_filler_gives_its_documents_words_in_order(tmp_path):
     news = tmp_path / "news.jsonl"
     news.write_text('{"document": "One story\\nends.", "summary": "a"}\n{"document": "Another.", "summary": "b"}\n')
