@@ -77,10 +77,10 @@ FORMS = {
     "code": Form("Staff were told that the access code for the north gate is {key}.",
                  "What is the access code for the north gate?", "", 997, True,
                  lambda rng, n: [rng.randrange(100_000, 1_000_000) for _ in range(n)], 24,
-                 "A 6-digit code stated once in news articles"),
+                 "A 6-digit code stated once"),
     "name": Form("The crew's cat, a ginger tom named {key}, had sailed with the ship for nine years.",
                  "What was the name of the cat on the ship?", "", 1013, True,
-                 lambda rng, n: rng.sample(NAMES, n), 24, "A name stated once in news articles"),
+                 lambda rng, n: rng.sample(NAMES, n), 24, "A name stated once"),
 }
 
 
@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="filler of the passkey form: a text file, or a JSON-lines file of documents (e.g. "
                              "../shared/data/xsum_dev.jsonl, news articles; with --skip-words 0) (the code and name forms "
                              "reads the XSum documents, --xsum)")
-    parser.add_argument("--xsum", type=Path, default=XSUM)
+    parser.add_argument("--xsum", type=Path, default=XSUM,
+                        help="filler of the code and name forms: the XSum documents (JSON lines), or any other JSON-lines "
+                             "file of documents or a text file (e.g. ../shared/data/botchan.txt, a novel)")
     parser.add_argument("--words", type=int, nargs="+", default=[700, 1400, 2800])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--keys", type=int, default=10)
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     first = results[names[0]]
     where = ("in one message, asked before the text" if args.ask_first else "in one message") if args.turns is None else (f"in a pasted document, asked for {args.turns} turns later "
                                                         f"(prompt tokens: the whole conversation at the question)")
-    print(f"{form.title} {where}, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
+    title = f"{form.title} in {'news articles' if args.xsum == XSUM else args.xsum.name}" if form.articles else form.title
+    print(f"{title} {where}, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
     print("| words | prompt tokens | depth | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for cell, (_, tokens) in first.items():

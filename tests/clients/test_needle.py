@@ -106,3 +106,13 @@ def test_turns_are_counted_from_zero(fake_server):
     from tests.clients.conftest import run_client
     bad = run_client("needle", "--base-url", fake_server, "--turns", "-1")
     assert bad.returncode == 2 and "--turns" in bad.stderr
+
+
+def test_the_table_names_the_filler_of_the_code_form(fake_server, tmp_path):
+    from tests.clients.conftest import run_client
+    novel = tmp_path / "novel.txt"
+    novel.write_text(" ".join(f"word{i}" for i in range(3000)))
+    run = run_client("needle", "--base-url", fake_server, "--form", "code", "--xsum", str(novel), "--words", "50",
+                     "--depths", "0.5", "--keys", "1")
+    assert run.returncode == 0, run.stderr
+    assert "A 6-digit code stated once in novel.txt in one message" in run.stdout
