@@ -248,9 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     names = list(results)
     first = results[names[0]]
-    where = ("in one message, asked before the text" if args.ask_first else "in one message") if args.turns is None else (f"in a pasted document, asked for {args.turns} turns later "
-                                                        f"(prompt tokens: the whole conversation at the question)")
-    title = f"{form.title} in {'news articles' if args.xsum == XSUM else args.xsum.name}" if form.articles else form.title
+    if args.turns is not None:
+        where = f"in a pasted document, asked for {args.turns} turns later (prompt tokens: the whole conversation at the question)"
+    elif args.ask_first:
+        where = "in one message, asked before the text"
+    else:
+        where = "in one message"
+    title = form.title
+    if form.articles:
+        title += " in news articles" if args.xsum == XSUM else f" in {args.xsum.name}"
     print(f"{title} {where}, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
     print("| words | prompt tokens | depth | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
