@@ -21,6 +21,8 @@ in other words (a form that none of the cache's settings were tuned on).
 
 `--ask-first` puts the question before the text, as a user who asks and then pastes does (the full
 cache of the default model, distracted by the text, then answers about the text instead; see RESULTS.md).
+`--system` puts the text in a system message (after what the form says up front) and asks in the user's
+turn, as an application that hands the model a document does.
 
 `--turns N` asks the way an endless chat does instead: the document comes with a request for a
 one-sentence summary, N more turns each paste another ~300 words of other articles and ask the same
@@ -123,6 +125,14 @@ def message(form: str, text: str, ending: str | None = None, ask_first: bool = F
     return "\n\n".join([kind.intro, *parts] if kind.intro else parts)
 
 
+def system_messages(form: str, text: str) -> list[dict]:
+    """The text in a system message, after what the form says up front if anything, and the form's
+    question as the user's turn."""
+    kind = FORMS[form]
+    return [{"role": "system", "content": "\n\n".join([kind.intro, text] if kind.intro else [text])},
+            {"role": "user", "content": kind.question}]
+
+
 def ask(client: httpx.Client, url: str, content: str | list[dict], max_tokens: int) -> tuple[str, int]:
     """The greedy reply to one user message (or to a whole conversation's messages) and its prompt tokens."""
     messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
@@ -162,12 +172,13 @@ def converse(client: httpx.Client, url: str, form: str, text: str, later: list[s
 
 
 def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list[int] | list[str],
-        max_tokens: int, form: str = "passkey", vary: bool = False, turns: int | None = None, ask_first: bool = False
-        ) -> dict[tuple[int, float], tuple[float, int]]:
+        max_tokens: int, form: str = "passkey", vary: bool = False, turns: int | None = None, ask_first: bool = False,
+        system: bool = False) -> dict[tuple[int, float], tuple[float, int]]:
     """(length, depth) -> (share of keys found, prompt tokens). vary: each pass key in a passage of
     its own (`passage_start`), not all in the filler's first words. turns: ask in a conversation
     instead (`converse`), after this many turns that follow the document (None: one message). ask_first:
-    in one message, the question before the text (`message`)."""
+    in one message, the question before the text (`message`). system: the text in a system message, the
+    question in the user's turn (`system_messages`)."""
     out = {}
     with httpx.Client(timeout=600) as client:
         for length in lengths:
@@ -175,7 +186,9 @@ def run(url: str, words: list[str], lengths: list[int], depths: list[float], key
                 hits, tokens = 0, 0
                 for index, key in enumerate(keys):
                     text = document(form, words, length, depth, key, index, vary)
-                    if turns is None:
+                    if system:
+                        reply, tokens = ask(client, url, system_messages(form, text), max_tokens)
+                    elif turns is None:
                         reply, tokens = ask(client, url, message(form, text, ask_first=ask_first), max_tokens)
                     else:
                         reply, tokens = converse(client, url, form, text, later_turns(words, index, turns), max_tokens)
@@ -215,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                              "document's reply)")
     parser.add_argument("--ask-first", action="store_true",
                         help="one message that asks first and then pastes the text (default: the question last)")
+    parser.add_argument("--system", action="store_true",
+                        help="the text in a system message, the question in the user's turn (default: one user message)")
     parser.add_argument("--vary", action="store_true",
                         help="passkey form: each key in a passage of its own (the i-th i x (words + 997) words into the "
                              "filler), so a cell averages over texts; default: all in its first words (the code form "
@@ -227,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--turns counts turns after the document (>= 0)")
     if args.ask_first and args.turns is not None:
         parser.error("--ask-first is a form of one message; --turns asks in a turn of its own")
+    if args.system and (args.ask_first or args.turns is not None):
+        parser.error("--system asks in the turn after the system message: not with --ask-first or --turns")
     if args.form == "name" and not 0 < args.keys <= len(NAMES):
         parser.error(f"--form name has {len(NAMES)} names: --keys 1 to {len(NAMES)}")
     words = filler_words(args.xsum) if form.articles else filler_words(args.text)[args.skip_words:]
@@ -238,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                 began = time.perf_counter()
                 with spawned_server(policy, args.server_args, log=Path(f"needle-{policy}.log")) as url:
                     results[policy] = run(url, words, args.words, args.depths, keys, args.max_tokens, args.form, args.vary,
-                                           args.turns, args.ask_first)
+                                           args.turns, args.ask_first, args.system)
                 print(f"{policy}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
         else:
             results[args.base_url] = run(args.base_url, words, args.words, args.depths, keys, args.max_tokens, args.form,
-                                         args.vary, args.turns, args.ask_first)
+                                         args.vary, args.turns, args.ask_first, args.system)
     except (httpx.HTTPError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f"in a pasted document, asked for {args.turns} turns later (prompt tokens: the whole conversation at the question)"
     elif args.ask_first:
         where = "in one message, asked before the text"
+    elif args.system:
+        where = "in a system message, asked in the user's turn"
     else:
         where = "in one message"
     title = form.title

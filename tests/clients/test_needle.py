@@ -1,6 +1,6 @@
 """`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
 
-from clients.needle import FORMS, NAMES, SUMMARIZE, TURN_REPLY, TURN_WORDS, converse, document, filler_words, later_turns, message, passage_start
+from clients.needle import FORMS, NAMES, SUMMARIZE, TURN_REPLY, TURN_WORDS, converse, document, filler_words, later_turns, message, passage_start, system_messages
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -35,6 +35,41 @@ def test_asking_first_is_a_form_of_one_message(fake_server):
     from tests.clients.conftest import run_client
     bad = run_client("needle", "--base-url", fake_server, "--ask-first", "--turns", "2")
     assert bad.returncode == 2 and "--ask-first" in bad.stderr
+
+
+def test_in_a_system_message_the_text_comes_first_and_the_user_asks_alone():
+    code = system_messages("code", "some text")
+    assert code == [{"role": "system", "content": "some text"}, {"role": "user", "content": FORMS["code"].question}]
+    passkey = system_messages("passkey", "some text")
+    assert passkey[0]["content"] == f"{FORMS['passkey'].intro}\n\nsome text"
+    assert passkey[1] == {"role": "user", "content": FORMS["passkey"].question}
+
+
+def test_a_system_message_is_asked_about_in_the_next_turn_and_the_table_says_so():
+    """A fake model that reads only the last message (the user's turn) finds the code where the text
+    is in that message, and not where it went to the system message before it."""
+    import re
+
+    from tests.clients.conftest import run_client, serve
+    from tests.clients.fake_server import make_app
+    server, url = serve(make_app(answer=lambda content: re.findall(r"\b\d{6}\b", content)[:1] or ["none"]))
+    try:
+        args = ("needle", "--base-url", url, "--form", "code", "--words", "50", "--depths", "0.5", "--keys", "2")
+        in_turn, in_system = run_client(*args), run_client(*args, "--system")
+        assert in_turn.returncode == 0 and in_system.returncode == 0, in_turn.stderr + in_system.stderr
+        assert "in a system message, asked in the user's turn" in in_system.stdout
+        rows = [next(line for line in run.stdout.splitlines() if line.startswith("| 50 |")).split("|")
+                for run in (in_turn, in_system)]
+        # both sent the whole document and the question (the fake server counts their words) ...
+        words = 50 + len(FORMS["code"].sentence.split()) + len(FORMS["code"].question.split())
+        assert int(rows[0][2]) == int(rows[1][2]) == words
+        # ... but only the user's turn of one message held the code
+        assert float(rows[0][4]) == 1.0 and float(rows[1][4]) == 0.0
+        for other in (("--ask-first",), ("--turns", "2")):
+            bad = run_client("needle", "--base-url", url, "--system", *other)
+            assert bad.returncode == 2 and "--system" in bad.stderr
+    finally:
+        server.should_exit = True
 
 
 def test_a_json_lines_filler_gives_its_documents_words_in_order(tmp_path):
