@@ -38,7 +38,7 @@ import httpx
 
 from clients.api import ApiError, ServerUnavailable, make_client, stream_chat, wait_ready
 from clients.loadbench import fixed_length
-from clients.needle import FORMS, NAMES, XSUM, document, filler_words, message
+from clients.needle import CITIES, FORMS, NAMES, XSUM, document, filler_words, message
 from clients.server_proc import ServerFailed, start_server, stop_server
 
 GAUGES = ("h2o_resident_kv_bytes", "h2o_archived_kv_bytes", "h2o_active_sessions")
@@ -77,8 +77,8 @@ def messages(form: str, words: list[str], count: int, length: int, depths: list[
     from its own place of the filler."""
     kind = FORMS[form]
     keys = kind.keys(random.Random(seed), count)
-    return [(message(form, document(form, words, length, depths[i % len(depths)], key, i, vary=True)), str(key))
-            for i, key in enumerate(keys)]
+    return [(message(form, document(form, words, length, depths[i % len(depths)], key, i, vary=True), key=key),
+             kind.answer(key)) for i, key in enumerate(keys)]
 
 
 async def metrics(client: httpx.AsyncClient) -> dict[str, float]:
@@ -106,7 +106,7 @@ async def play(urls: dict[str, str], sent: list[tuple[str, str]], max_tokens: in
                 device, archive = per_conversation(await metrics(clients[label]))
                 row = {"server": label, "message": i, "prompt_tokens": turn.usage.get("prompt_tokens"),
                        "completion_tokens": turn.completion_tokens, "ttft_s": turn.ttft,
-                       "decode_ms": 1e3 / turn.decode_tps if turn.decode_tps else None, "found": key in turn.text,
+                       "decode_ms": 1e3 / turn.decode_tps if turn.decode_tps else None, "found": key.lower() in turn.text.lower(),
                        "device_bytes": device, "archive_bytes": archive, "reply": turn.text}
                 rows.append(row)
                 if not quiet:
@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--messages >= 1, --words >= 1, --max-tokens >= 2 (a decode time), depths within 0-1")
     if args.form == "name" and args.messages > len(NAMES):
         parser.error(f"--form name has {len(NAMES)} names: --messages 1 to {len(NAMES)}")
+    if args.form == "place" and args.messages > len(CITIES):
+        parser.error(f"--form place has {len(CITIES)} cities: --messages 1 to {len(CITIES)}")
     form = FORMS[args.form]
     try:
         words = filler_words(args.xsum) if form.articles else filler_words(args.text)[SKIP_WORDS:]

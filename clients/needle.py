@@ -12,7 +12,9 @@ articles (the XSum documents, a different run of them per key) hold one sentence
 6-digit access code once, and the message ends with a question in other words; no instruction says
 that something is hidden, and the code is not repeated. `--form name` is the same with a word for an
 answer: a sentence in the middle of the news gives a ship's cat's name, and the question asks for it
-in other words (a form that none of the cache's settings were tuned on).
+in other words (a form that none of the cache's settings were tuned on). `--form place` plants a
+city's best thing to do in the news ("The best thing to do in Oslo is to ...") and asks for it, the
+classic needle's shape, with a word of the activity for the answer.
 
     python -m clients.needle --spawn full,h2o --words 700 1400 2800 --keys 10
     python -m clients.needle --spawn full,h2o --form code --words 1500 --depths 0.2 0.5 0.85 --keys 8
@@ -52,14 +54,44 @@ XSUM = Path(__file__).resolve().parents[2] / "shared/data/xsum_dev.jsonl"
 
 
 @dataclass(frozen=True)
+class Place:
+    """The place form's key: a city, the best thing to do there, and the word of it a reply must hold."""
+
+    city: str
+    activity: str
+    word: str
+
+
+CITIES = ("Lisbon", "Oslo", "Kyoto", "Quito", "Tbilisi", "Hobart", "Leeds", "Bergen", "Cusco", "Utrecht", "Perth", "Graz")
+ACTIVITIES = (("eat a sandwich and sit in the park on a sunny day", "sandwich"),
+              ("ride the old tram up the hill at dawn", "tram"),
+              ("swim in the cold lake before breakfast", "lake"),
+              ("visit the tiny museum of clocks", "clocks"),
+              ("buy warm chestnuts from the market", "chestnut"),
+              ("climb the lighthouse stairs at sunset", "lighthouse"),
+              ("watch the puppet theatre by the river", "puppet"),
+              ("rent a bicycle and follow the canal", "bicycle"),
+              ("drink hot chocolate in the glass cafe", "chocolate"),
+              ("listen to the organ in the cathedral", "organ"),
+              ("feed the ducks at the botanical garden", "ducks"),
+              ("take the ferry to the island of goats", "ferry"))
+
+
+def places(rng: random.Random, n: int) -> list[Place]:
+    """n keys of the place form: distinct cities, each with an activity of its own."""
+    return [Place(city, activity, word) for city, (activity, word) in zip(rng.sample(CITIES, n), rng.sample(ACTIVITIES, n))]
+
+
+@dataclass(frozen=True)
 class Form:
     """A way to hide a fact in one message and ask for it.
 
-    sentence: what is planted, `{key}` standing for the key; question: what the message ends with;
-    intro: what it says before the text ("" for nothing up front); step: words between the passages of
-    consecutive keys (None: the words' count + 997, and only with --vary: else every key in the first
-    words); articles: the filler is the XSum articles (else --text); keys(rng, n): the n keys to find;
-    max_tokens: the reply's length (a reply repeats the question's words first); title: for the table."""
+    sentence: what is planted, `{key}` standing for the key; question: what the message ends with
+    (`{key}` too, where it names part of the key); intro: what it says before the text ("" for nothing
+    up front); step: words between the passages of consecutive keys (None: the words' count + 997, and
+    only with --vary: else every key in the first words); articles: the filler is the XSum articles
+    (else --text); keys(rng, n): the n keys to find; max_tokens: the reply's length (a reply repeats the
+    question's words first); title: for the table; answer(key): what a reply must hold, in any case."""
 
     sentence: str
     question: str
@@ -69,6 +101,10 @@ class Form:
     keys: Callable[[random.Random, int], list]
     max_tokens: int
     title: str
+    answer: Callable[[object], str] = str
+
+    def found(self, key, reply: str) -> bool:
+        return self.answer(key).lower() in reply.lower()
 
 
 FORMS = {
@@ -83,6 +119,9 @@ FORMS = {
     "name": Form("The crew's cat, a ginger tom named {key}, had sailed with the ship for nine years.",
                  "What was the name of the cat on the ship?", "", 1013, True,
                  lambda rng, n: rng.sample(NAMES, n), 24, "A name stated once"),
+    "place": Form("The best thing to do in {key.city} is to {key.activity}.",
+                  "What is the best thing to do in {key.city}?", "", 1009, True, places, 32,
+                  "A city's best thing to do stated once", lambda key: key.word),
 }
 
 
@@ -116,21 +155,22 @@ def document(form: str, words: list[str], length: int, depth: float, key, index:
     return planted(words, start, length, depth, kind.sentence.format(key=key))
 
 
-def message(form: str, text: str, ending: str | None = None, ask_first: bool = False) -> str:
-    """The user message: the text and the form's question (or `ending`), after what the form says up front
-    if anything; ask_first: the question before the text, as a user who asks and then pastes does."""
+def message(form: str, text: str, ending: str | None = None, ask_first: bool = False, key=None) -> str:
+    """The user message: the text and the form's question about `key` (or `ending`), after what the form
+    says up front if anything; ask_first: the question before the text, as a user who asks and then
+    pastes does."""
     kind = FORMS[form]
-    ending = kind.question if ending is None else ending
+    ending = kind.question.format(key=key) if ending is None else ending
     parts = [ending, text] if ask_first else [text, ending]
     return "\n\n".join([kind.intro, *parts] if kind.intro else parts)
 
 
-def system_messages(form: str, text: str) -> list[dict]:
+def system_messages(form: str, text: str, key=None) -> list[dict]:
     """The text in a system message, after what the form says up front if anything, and the form's
-    question as the user's turn."""
+    question about `key` as the user's turn."""
     kind = FORMS[form]
     return [{"role": "system", "content": "\n\n".join([kind.intro, text] if kind.intro else [text])},
-            {"role": "user", "content": kind.question}]
+            {"role": "user", "content": kind.question.format(key=key)}]
 
 
 def ask(client: httpx.Client, url: str, content: str | list[dict], max_tokens: int) -> tuple[str, int]:
@@ -157,7 +197,8 @@ def later_turns(words: list[str], index: int, turns: int) -> list[str]:
             for t in range(turns)]
 
 
-def converse(client: httpx.Client, url: str, form: str, text: str, later: list[str], max_tokens: int) -> tuple[str, int]:
+def converse(client: httpx.Client, url: str, form: str, text: str, later: list[str], max_tokens: int,
+             key=None) -> tuple[str, int]:
     """A conversation as a user pasting a document has it: the document with SUMMARIZE, then the `later`
     messages, each answered (TURN_REPLY tokens, greedy), then the form's question alone. The whole history
     goes with every request, as OpenAI clients send it (the server prefills only what is new). Returns
@@ -167,7 +208,7 @@ def converse(client: httpx.Client, url: str, form: str, text: str, later: list[s
         history.append({"role": "user", "content": content})
         reply, _ = ask(client, url, history, TURN_REPLY)
         history.append({"role": "assistant", "content": reply})
-    history.append({"role": "user", "content": FORMS[form].question})
+    history.append({"role": "user", "content": FORMS[form].question.format(key=key)})
     return ask(client, url, history, max_tokens)
 
 
@@ -187,12 +228,13 @@ def run(url: str, words: list[str], lengths: list[int], depths: list[float], key
                 for index, key in enumerate(keys):
                     text = document(form, words, length, depth, key, index, vary)
                     if system:
-                        reply, tokens = ask(client, url, system_messages(form, text), max_tokens)
+                        reply, tokens = ask(client, url, system_messages(form, text, key), max_tokens)
                     elif turns is None:
-                        reply, tokens = ask(client, url, message(form, text, ask_first=ask_first), max_tokens)
+                        reply, tokens = ask(client, url, message(form, text, ask_first=ask_first, key=key), max_tokens)
                     else:
-                        reply, tokens = converse(client, url, form, text, later_turns(words, index, turns), max_tokens)
-                    hits += str(key) in reply
+                        reply, tokens = converse(client, url, form, text, later_turns(words, index, turns), max_tokens,
+                                                 key)
+                    hits += FORMS[form].found(key, reply)
                 out[(length, depth)] = (hits / len(keys), tokens)
                 print(f"{url} {length} words, depth {depth:.0%}: {hits}/{len(keys)}", file=sys.stderr, flush=True)
     return out
@@ -206,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--form", choices=tuple(FORMS), default="passkey",
                         help="passkey: told a key is hidden, the key stated twice; code: a 6-digit code in news "
                              "articles, stated once, nothing said up front; name: the same with a name (of a "
-                             f"ship's cat) for an answer, at most {len(NAMES)} keys")
+                             f"ship's cat) for an answer, at most {len(NAMES)} keys; place: a city's best thing to do, "
+                             f"at most {len(CITIES)} keys")
     parser.add_argument("--text", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/botchan.txt",
                         help="filler of the passkey form: a text file, or a JSON-lines file of documents (e.g. "
                              "../shared/data/xsum_dev.jsonl, news articles; with --skip-words 0) (the code and name forms "
@@ -218,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--keys", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=None,
-                        help="reply length: 16 (passkey), 24 (code and name: the reply repeats the question's words first)")
+                        help="reply length: 16 (passkey), 24 (code and name: the reply repeats the question's words first), "
+                             "32 (place)")
     parser.add_argument("--skip-words", type=int, default=1500, help="words of the text skipped (a header)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--turns", type=int, default=None,
@@ -246,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--system asks in the turn after the system message: not with --ask-first or --turns")
     if args.form == "name" and not 0 < args.keys <= len(NAMES):
         parser.error(f"--form name has {len(NAMES)} names: --keys 1 to {len(NAMES)}")
+    if args.form == "place" and not 0 < args.keys <= len(CITIES):
+        parser.error(f"--form place has {len(CITIES)} cities: --keys 1 to {len(CITIES)}")
     words = filler_words(args.xsum) if form.articles else filler_words(args.text)[args.skip_words:]
     keys = form.keys(rng, args.keys)
     results = {}
@@ -276,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     title = form.title
     if form.articles:
         title += " in news articles" if args.xsum == XSUM else f" in {args.xsum.name}"
-    print(f"{title} {where}, {args.keys} keys per cell, greedy, hit = the key in the reply\n")
+    print(f"{title} {where}, {args.keys} keys per cell, greedy, hit = the key (place: its activity's word) in the reply\n")
     print("| words | prompt tokens | depth | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for cell, (_, tokens) in first.items():

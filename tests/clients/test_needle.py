@@ -1,6 +1,6 @@
 """`clients.needle`'s documents: what each form plants, where, and what the message says up front."""
 
-from clients.needle import FORMS, NAMES, SUMMARIZE, TURN_REPLY, TURN_WORDS, converse, document, filler_words, later_turns, message, passage_start, system_messages
+from clients.needle import CITIES, FORMS, NAMES, Place, SUMMARIZE, TURN_REPLY, TURN_WORDS, converse, document, filler_words, later_turns, message, passage_start, system_messages
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -68,6 +68,49 @@ def test_a_system_message_is_asked_about_in_the_next_turn_and_the_table_says_so(
         for other in (("--ask-first",), ("--turns", "2")):
             bad = run_client("needle", "--base-url", url, "--system", *other)
             assert bad.returncode == 2 and "--system" in bad.stderr
+    finally:
+        server.should_exit = True
+
+
+def test_the_place_form_plants_a_city_s_best_thing_to_do_once_and_asks_for_that_city():
+    import random
+    keys = FORMS["place"].keys(random.Random(0), len(CITIES))
+    assert len({key.city for key in keys}) == len({key.word for key in keys}) == len(CITIES)
+    key = keys[0]
+    assert key.word in key.activity
+    text = document("place", WORDS, 1000, 0.5, key, index=2)
+    assert text.count(key.activity) == 1 and text.split().index("best") == 501  # "The" sits at word 500
+    asked = message("place", text, key=key)
+    assert asked.endswith(f"What is the best thing to do in {key.city}?")
+    assert system_messages("place", text, key)[1]["content"] == f"What is the best thing to do in {key.city}?"
+    place = FORMS["place"]
+    assert place.found(key, f"The best thing is to {key.word.capitalize()}!")  # in any case
+    assert not place.found(key, f"The best thing to do in {key.city} is to stay home.")
+    assert FORMS["code"].found(123456, "it is 123456.") and not FORMS["code"].found(123456, "it is 12345.")
+
+
+def test_a_place_is_found_by_its_activity_s_word_and_the_question_names_its_city():
+    """A fake model that answers with what the last message says is the best thing to do in the city
+    its question names finds every place; the table says what a hit is."""
+    import re
+
+    from tests.clients.conftest import run_client, serve
+    from tests.clients.fake_server import make_app
+
+    def best_thing(content: str) -> list[str]:
+        city = re.search(r"to do in (\w+)\?$", content).group(1)
+        told = re.search(rf"to do in {city} is to ([^.]*)\.", content)
+        return told.group(1).split() if told else ["none"]
+
+    server, url = serve(make_app(answer=best_thing))
+    try:
+        run = run_client("needle", "--base-url", url, "--form", "place", "--words", "60", "--depths", "0.3", "0.8",
+                         "--keys", "3")
+        assert run.returncode == 0, run.stderr
+        assert "A city's best thing to do stated once in news articles" in run.stdout
+        assert "| mean | | | 1.00 |" in run.stdout
+        bad = run_client("needle", "--base-url", url, "--form", "place", "--keys", str(len(CITIES) + 1))
+        assert bad.returncode == 2 and "--keys" in bad.stderr
     finally:
         server.should_exit = True
 
