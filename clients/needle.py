@@ -212,10 +212,11 @@ def converse(client: httpx.Client, url: str, form: str, text: str, later: list[s
     return ask(client, url, history, max_tokens)
 
 
-def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list[int] | list[str],
+def run(url: str, words: list[str], lengths: list[int], depths: list[float], keys: list,
         max_tokens: int, form: str = "passkey", vary: bool = False, turns: int | None = None, ask_first: bool = False,
         system: bool = False) -> dict[tuple[int, float], tuple[float, int]]:
-    """(length, depth) -> (share of keys found, prompt tokens). vary: each pass key in a passage of
+    """(length, depth) -> (share of keys found, prompt tokens); a key is found where the reply holds the
+    form's answer for it in any case (`Form.found`). vary: each pass key in a passage of
     its own (`passage_start`), not all in the filler's first words. turns: ask in a conversation
     instead (`converse`), after this many turns that follow the document (None: one message). ask_first:
     in one message, the question before the text (`message`). system: the text in a system message, the
