@@ -38,7 +38,7 @@ import httpx
 
 from clients.api import ApiError, ServerUnavailable, make_client, stream_chat, wait_ready
 from clients.loadbench import fixed_length
-from clients.needle import CITIES, FORMS, NAMES, XSUM, document, filler_words, message
+from clients.needle import CITIES, FORMS, NAMES, XSUM, document, filler_words, holds, message
 from clients.server_proc import ServerFailed, start_server, stop_server
 
 GAUGES = ("h2o_resident_kv_bytes", "h2o_archived_kv_bytes", "h2o_active_sessions")
@@ -73,7 +73,7 @@ def per_conversation(page: dict[str, float]) -> tuple[float | None, float | None
 
 
 def messages(form: str, words: list[str], count: int, length: int, depths: list[float], seed: int) -> list[tuple[str, str]]:
-    """`count` (user message, key) pairs: the form's fact at depths cycling through `depths`, each message
+    """`count` (user message, answer) pairs: the form's fact at depths cycling through `depths`, each message
     from its own place of the filler."""
     kind = FORMS[form]
     keys = kind.keys(random.Random(seed), count)
@@ -106,7 +106,7 @@ async def play(urls: dict[str, str], sent: list[tuple[str, str]], max_tokens: in
                 device, archive = per_conversation(await metrics(clients[label]))
                 row = {"server": label, "message": i, "prompt_tokens": turn.usage.get("prompt_tokens"),
                        "completion_tokens": turn.completion_tokens, "ttft_s": turn.ttft,
-                       "decode_ms": 1e3 / turn.decode_tps if turn.decode_tps else None, "found": key.lower() in turn.text.lower(),
+                       "decode_ms": 1e3 / turn.decode_tps if turn.decode_tps else None, "found": holds(key, turn.text),
                        "device_bytes": device, "archive_bytes": archive, "reply": turn.text}
                 rows.append(row)
                 if not quiet:

@@ -77,6 +77,11 @@ ACTIVITIES = (("eat a sandwich and sit in the park on a sunny day", "sandwich"),
               ("take the ferry to the island of goats", "ferry"))
 
 
+def holds(answer: str, reply: str) -> bool:
+    """Whether a reply holds the answer, in any case."""
+    return answer.lower() in reply.lower()
+
+
 def places(rng: random.Random, n: int) -> list[Place]:
     """n keys of the place form: distinct cities, each with an activity of its own."""
     return [Place(city, activity, word) for city, (activity, word) in zip(rng.sample(CITIES, n), rng.sample(ACTIVITIES, n))]
@@ -103,8 +108,16 @@ class Form:
     title: str
     answer: Callable[[object], str] = str
 
+    def asked(self, key) -> str:
+        """The question about `key`."""
+        return self.question.format(key=key)
+
     def found(self, key, reply: str) -> bool:
-        return self.answer(key).lower() in reply.lower()
+        return holds(self.answer(key), reply)
+
+    def up_front(self, parts: list[str]) -> str:
+        """`parts` after what the form says up front, if anything, a blank line apart."""
+        return "\n\n".join([self.intro, *parts] if self.intro else parts)
 
 
 FORMS = {
@@ -160,17 +173,15 @@ def message(form: str, text: str, ending: str | None = None, ask_first: bool = F
     says up front if anything; ask_first: the question before the text, as a user who asks and then
     pastes does."""
     kind = FORMS[form]
-    ending = kind.question.format(key=key) if ending is None else ending
-    parts = [ending, text] if ask_first else [text, ending]
-    return "\n\n".join([kind.intro, *parts] if kind.intro else parts)
+    ending = kind.asked(key) if ending is None else ending
+    return kind.up_front([ending, text] if ask_first else [text, ending])
 
 
 def system_messages(form: str, text: str, key=None) -> list[dict]:
     """The text in a system message, after what the form says up front if anything, and the form's
     question about `key` as the user's turn."""
     kind = FORMS[form]
-    return [{"role": "system", "content": "\n\n".join([kind.intro, text] if kind.intro else [text])},
-            {"role": "user", "content": kind.question.format(key=key)}]
+    return [{"role": "system", "content": kind.up_front([text])}, {"role": "user", "content": kind.asked(key)}]
 
 
 def ask(client: httpx.Client, url: str, content: str | list[dict], max_tokens: int) -> tuple[str, int]:
@@ -208,7 +219,7 @@ def converse(client: httpx.Client, url: str, form: str, text: str, later: list[s
         history.append({"role": "user", "content": content})
         reply, _ = ask(client, url, history, TURN_REPLY)
         history.append({"role": "assistant", "content": reply})
-    history.append({"role": "user", "content": FORMS[form].question.format(key=key)})
+    history.append({"role": "user", "content": FORMS[form].asked(key)})
     return ask(client, url, history, max_tokens)
 
 
