@@ -193,6 +193,22 @@ class H2OCache:
         self.epochs.pop()
         return single
 
+    def copy(self, row: int) -> H2OCache:
+        """Row `row` as a cache of its own, copied, archive and window included: passes fed to the copy
+        leave this cache as it is (`h2o_cache.reread` looks ahead on one)."""
+        twin = H2OCache(self.spec, self.config)
+        length = self.lengths[row]
+        twin._reserve(1, length)
+        twin._copy_row(0, self, row, length)
+        twin.lengths, twin.seen, twin.pending = [length], [self.seen[row]], [list(self.pending[row])]
+        twin.epochs = [next(_epochs)]
+        archive, window = self.archives[row], self.windows[row]
+        twin.archives = [archive.copy() if archive is not None else None]
+        twin.windows = [None if window is None else (window[0], window[1].clone())]
+        twin.recalled, twin.recall_count = [self.recalled[row]], [self.recall_count[row]]
+        twin.due, twin.decoded, twin.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
+        return twin
+
     def _buffers(self) -> list[torch.Tensor]:
         buffers = (self._keys, self._values, self._rotated, self._scores, self._origins, self._pinned)
         return [t for t in buffers if t is not None]

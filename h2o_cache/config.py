@@ -100,6 +100,10 @@ class CacheConfig:
         (`recall.rank_rotated`, the native step, `decode_step`); the buffers keep the text layout.
         Measured in RESULTS.md, "Positions", "Ranks at every pass" and "Ranks for a reply's first 32
         steps" (better on long documents; a step at ranks ~0.15x of a step dearer).
+    recall_reread: most tokens of a turn's own text that a turn whose body overflows the budget feeds
+        again before its tail (`h2o_cache.reread`): the passages its reply's first steps point at, found
+        by a greedy look on a copy of the row (0: off; with recall only).
+    recall_reread_look: decode steps of that look.
     recall_rank_steps: with "rank", a reply's first decode passes (after each prefill) that read the
         held keys at their ranks, after which its passes read the text layout until the next prompt;
         every prefill pass reads ranks (None: every pass). A reply's answer about a long prompt is
@@ -172,6 +176,8 @@ class CacheConfig:
     # 32nd cost what the text layout's do (ranks at every step: 1.44x at batch 1 on real text, 1.27x at 8)
     recall_positions: str = "rank"
     recall_rank_steps: int | None = 32
+    recall_reread: int = 96
+    recall_reread_look: int = 16
 
     def voter_layers(self, layers: int) -> list[int] | None:
         """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
@@ -220,6 +226,10 @@ class CacheConfig:
                 raise ValueError(f"recall_burst must be >= 0, got {self.recall_burst}")
             if self.recall_rank_steps is not None and self.recall_rank_steps < 0:
                 raise ValueError(f"recall_rank_steps must be >= 0 or None, got {self.recall_rank_steps}")
+            if self.recall_reread < 0:
+                raise ValueError(f"recall_reread must be >= 0, got {self.recall_reread}")
+            if self.recall_reread_look < 1:
+                raise ValueError(f"recall_reread_look must be >= 1, got {self.recall_reread_look}")
         if self.recall_budget < 0:
             raise ValueError(f"recall_budget must be >= 0, got {self.recall_budget}")
         if not policy.evicts:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h2o_cache import reread
 from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.hf import forward, model_spec
@@ -43,6 +44,9 @@ class Generator:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
         self._byte_table: list[bytes] | None = None  # computed on first use: [] when the tokenizer has none
         self._breaks: tuple | None = None  # `line_breaks`, computed on first use
+        self._separator: list[int] | None = None  # a blank line's tokens, between re-read passages
+        # a `StaticDecoder` of one row and this config (the fast step) for re-reads' looks; None: `step`
+        self.looker = None
 
     def _bytes(self) -> list[bytes] | None:
         """The tokenizer's byte table (`text.byte_table`), computed on first use; None where it has none."""
@@ -72,7 +76,8 @@ class Generator:
 
     # ----- model passes ------------------------------------------------------------------
 
-    def prefill(self, cache: H2OCache, tokens: list[list[int]], recall: bool = False) -> torch.Tensor:
+    def prefill(self, cache: H2OCache, tokens: list[list[int]], recall: bool = False,
+                before: list[list[int]] | None = None) -> torch.Tensor:
         """Feed tokens[b] to row b, in chunks of at most `prefill_chunk` tokens per row.
 
         recall: tokens are a new turn's prompt; with a cache that recalls, its last `recall_probe`
@@ -80,7 +85,9 @@ class Generator:
         them: `probe_start`) are fed as chunks of their own, so that their queries
         alone choose the recall window the reply starts with (with `recall_ahead`, the chunks before
         them take the window their previous chunk's queries chose: one choice per chunk, not one per
-        layer).
+        layer); before them, where the body overflows the budget, the passages the reply will answer
+        from are fed again (`recall_reread`, `h2o_cache.reread`). before[b]: tokens of row b's turn it
+        was fed already (its turn began before tokens[b]), which passages may come from too.
         Returns fp32 logits after each row's last token [B, V]. Every row needs >= 1 token.
         """
         if any(not t for t in tokens):
@@ -88,10 +95,26 @@ class Generator:
         if recall and cache.config.recalls:
             starts = [self.probe_start(t, cache.config) for t in tokens]
             heads = [t[:at] for t, at in zip(tokens, starts)]
+            before = before or [[] for _ in tokens]
+            firsts = [seen - len(b) for seen, b in zip(cache.seen, before)]
             if any(heads):
                 self._prefill(cache, heads, ahead=True)
             tokens = [t[at:] for t, at in zip(tokens, starts)]
+            again = [self.reread(cache, row, [*b, *head], first, tail, self.looker)
+                     for row, (b, head, first, tail) in enumerate(zip(before, heads, firsts, tokens))]
+            if any(again):
+                self._prefill(cache, again, ahead=True)
         return torch.stack(self._prefill(cache, tokens))
+
+    def reread(self, cache: H2OCache, row: int, body, first: int, tail: list[int], decoder=None) -> list[int]:
+        """What row `row` is fed again before `tail` (`h2o_cache.reread`), its turn's `body` (the tokens
+        it was fed from position `first` on) just fed; [] where the turn is not re-read. decoder: a
+        `StaticDecoder` with no rows for the look's steps (else `step`; `looker` in `prefill`)."""
+        if not reread.due(cache, len(body)):
+            return []
+        if self._separator is None:
+            self._separator = self.tokenizer.encode("\n\n", add_special_tokens=False)
+        return reread.excerpt(self, cache, row, body, first, tail, self._separator, decoder)
 
     def _prefill(self, cache: H2OCache, tokens: list[list[int]], ahead: bool = False) -> list[torch.Tensor | None]:
         """Logits after each row's last token; None for rows given no tokens. ahead: the tokens are a

@@ -77,10 +77,12 @@ class StaticDecoder:
     default) it quantizes them per 32-block to int8 and uses integer dot products, as llama.cpp does
     (AVX-512 VNNI where the CPU has it): faster products and an NLL +0.13% above the exact one
     (`python -m h2o_cache.bench.activations`, RESULTS.md). The torch-ops path is always exact.
+    share: another decoder of the same model whose packed matrices this one reads too (not packed twice).
     """
 
     def __init__(self, model, config: CacheConfig, max_rows: int, cuda_graphs: bool | None = None,
-                 quantized: bool | None = None, native: bool | None = None, exact: bool = False):
+                 quantized: bool | None = None, native: bool | None = None, exact: bool = False,
+                 share: StaticDecoder | None = None):
         if not config.rolling:
             raise ValueError(f"static decode needs an evicting policy with position rolling, not {config.describe()}")
         self.spec = model_spec(model)
@@ -89,7 +91,9 @@ class StaticDecoder:
         gguf_path = getattr(model, "gguf_path", None)
         if quantized is None:
             quantized = self.spec.device.type == "cpu" and gguf_path is not None and kernel() is not None
-        if quantized:
+        if quantized and share is not None and share.quantized_weights is not None:
+            self.quantized_weights = share.quantized_weights
+        elif quantized:
             if gguf_path is None or kernel() is None:
                 raise ValueError("quantized decoding needs a model loaded from a GGUF file and the compiled kernel")
             packed = gguf_matrices(gguf_path, model)

@@ -30,11 +30,12 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 
 def recall_config(**overrides) -> CacheConfig:
-    """A small recall config; the text layout unless told (the tests of ranks say so)."""
+    """A small recall config; the text layout unless told (the tests of ranks say so); no re-reads (their
+    tests are in test_reread.py)."""
     settings = dict(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8,
                     recall_budget=16, recall_block=4, recall_probe=6, recall_archive=256, recall_interval=1,
                     recall_interval_max=1,  # the interval does not grow with the rows
-                    recall_positions="text")
+                    recall_positions="text", recall_reread=0)
     return CacheConfig(**{**settings, **overrides})
 
 

@@ -1,0 +1,155 @@
+"""Re-reading (`h2o_cache.reread`): a long turn's body is followed by the passages its reply's first
+steps point at, found on a copy of the row that leaves the row as it was; the spans are the best
+positions widened and merged up to the limit; only a body that overflows the budget is re-read."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from h2o_cache import CacheConfig, Generator, StaticDecoder, reread
+from tests.conftest import ByteTokenizer, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def peaked_model():
+    return tiny_llama(init_std=0.3)  # peaked attention: real heavy hitters, no near-ties
+
+
+def config(**overrides) -> CacheConfig:
+    settings = dict(policy="h2o", budget=32, evict_slack=4, prefill_chunk=8, recall_budget=16, recall_block=4,
+                    recall_probe=6, recall_archive=256, recall_reread=12, recall_reread_look=4)
+    return CacheConfig(**{**settings, **overrides})
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 128) for _ in range(n)]
+
+
+def state(cache, row: int) -> tuple:
+    n = cache.lengths[row]
+    b = cache.buffers()
+    archive = cache.archives[row]
+    return (b.keys[:, row, :, :n].clone(), b.values[:, row, :, :n].clone(), b.scores[:, row, :, :n].clone(),
+            b.origins[:, row, :, :n].clone(), cache._pinned[:, row, :, :n].clone(), cache.seen[row],
+            cache.recalled[row], cache.recall_count[row], cache.due[row], len(archive) if archive else 0)
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+def test_passages_take_the_best_positions_widened_and_merged_up_to_the_limit():
+    score = torch.zeros(40, dtype=torch.int64)
+    score[10], score[13], score[30], score[2] = 9, 7, 5, 1
+    # 10 -> [9, 13); 13 -> [12, 16) merges into [9, 16); 30 -> [29, 33); 2 -> [1, 5)
+    assert reread.passages(score, 100, before=1, after=2) == [(1, 5), (9, 16), (29, 33)]
+    # the limit stops before a span is added once it is covered: [9, 16) is 7 tokens
+    assert reread.passages(score, 7, before=1, after=2) == [(9, 16)]
+    assert reread.passages(score, 8, before=1, after=2) == [(9, 16), (29, 33)]
+    # spans are clipped to the text; nothing that scores 0 or less is taken
+    assert reread.passages(score, 100, before=20, after=50) == [(0, 40)]
+    assert reread.passages(torch.zeros(10, dtype=torch.int64), 100) == []
+    assert reread.passages(-torch.ones(10, dtype=torch.int64), 100) == []
+
+
+def test_a_copy_of_a_row_runs_as_the_row_and_leaves_it_as_it_was(peaked_model):
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    cache = generator.new_cache(2)
+    generator.prefill(cache, [tokens(70, 1), tokens(90, 2)])
+    twin = cache.copy(1)
+    assert same(state(twin, 0), state(cache, 1))
+    before = state(cache, 1)
+    # the copy runs as the row would: the same logits for the same tokens
+    ours = generator.step(twin, [[5]])[0]
+    for extra in ([7, 9, 11, 13], [17]):
+        generator.step(twin, [extra])
+    assert same(state(cache, 1), before)  # the row is as it was
+    mine = generator.step(cache, [[], [5]])[1]
+    assert torch.allclose(ours, mine, atol=1e-5)  # one row against two in a pass: the same up to rounding
+
+
+def prefill_by_hand(generator, prompt: list[int]) -> tuple[torch.Tensor, list[int], object]:
+    """The body, then its excerpt, then the tail, each fed by hand: what `prefill(recall=True)` must do."""
+    cache = generator.new_cache(1)
+    at = generator.probe_start(prompt, cache.config)
+    body, tail = prompt[:at], prompt[at:]
+    generator._prefill(cache, [body], ahead=True)
+    again = generator.reread(cache, 0, body, 0, tail)
+    if again:
+        generator._prefill(cache, [again], ahead=True)
+    return generator._prefill(cache, [tail])[0], again, cache
+
+
+def test_a_long_turn_is_fed_its_excerpt_between_its_body_and_its_tail(peaked_model):
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    prompt = tokens(120, 3)
+    logits, again, by_hand = prefill_by_hand(generator, prompt)
+    separator = ByteTokenizer().encode("\n\n")
+    assert again[:len(separator)] == separator and again[-len(separator):] == separator
+    body = prompt[:generator.probe_start(prompt, generator.config)]
+    passages = [p for p in bytes(t for t in again).split(bytes(separator)) if p]
+    assert passages and all(bytes(body).find(p) >= 0 for p in passages)  # pieces of the body, as they are there
+    assert sum(map(len, passages)) <= generator.config.recall_reread + reread.SPAN_BEFORE + reread.SPAN_AFTER
+
+    cache = generator.new_cache(1)
+    ours = generator.prefill(cache, [prompt], recall=True)[0]
+    assert cache.seen[0] == len(prompt) + len(again)
+    assert torch.equal(ours, logits) and same(state(cache, 0), state(by_hand, 0))
+
+
+@pytest.mark.parametrize("settings, length", [(dict(recall_reread=0), 120), ({}, 36), (dict(recall_budget=0), 120)])
+def test_a_turn_is_not_re_read_when_off_short_or_without_recall(peaked_model, settings, length):
+    generator = Generator(peaked_model, ByteTokenizer(), config(**settings))
+    prompt = tokens(length, 4)
+    cache = generator.new_cache(1)
+    generator.prefill(cache, [prompt], recall=True)
+    assert cache.seen[0] == len(prompt)
+
+
+def test_rows_of_one_prefill_are_re_read_each_as_alone(peaked_model):
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    prompts = [tokens(120, 5), tokens(30, 6), tokens(100, 7)]
+    cache = generator.new_cache(3)
+    logits = generator.prefill(cache, prompts, recall=True)
+    for row, prompt in enumerate(prompts):
+        alone, again, by_hand = prefill_by_hand(generator, prompt)
+        assert bool(again) == (row != 1)
+        assert cache.seen[row] == len(prompt) + len(again)
+        assert torch.allclose(logits[row], alone, atol=1e-5)
+        assert torch.equal(cache.buffers().origins[:, row, :, :cache.lengths[row]],
+                           by_hand.buffers().origins[:, 0, :, :by_hand.lengths[0]])
+
+
+def test_the_look_on_a_static_decoder_gains_as_on_the_generator_and_leaves_it_empty(peaked_model):
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    prompt = tokens(120, 8)
+    cache = generator.new_cache(1)
+    at = generator.probe_start(prompt, cache.config)
+    generator._prefill(cache, [prompt[:at]], ahead=True)
+    before = state(cache, 0)
+    slow = reread.gains(generator, cache, 0, prompt[at:], 0, at, 4)
+    decoder = StaticDecoder(peaked_model, generator.config, 1)
+    fast = reread.gains(generator, cache, 0, prompt[at:], 0, at, 4, decoder)
+    assert torch.equal(slow, fast) and int(slow.sum()) > 0
+    assert decoder.cache.batch_size == 0 and same(state(cache, 0), before)
+    decoder.cache.add_rows(1)
+    with pytest.raises(ValueError, match="no rows"):
+        reread.gains(generator, cache, 0, prompt[at:], 0, at, 4, decoder)
+
+
+def test_the_text_must_cover_the_turn(peaked_model):
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    cache = generator.new_cache(1)
+    body = tokens(80, 9)
+    generator._prefill(cache, [body], ahead=True)
+    with pytest.raises(ValueError, match="covers 79 positions"):
+        reread.excerpt(generator, cache, 0, body[1:], 0, [5, 6], [10])
+
+
+@pytest.mark.parametrize("field, value", [("recall_reread", -1), ("recall_reread_look", 0)])
+def test_bad_re_read_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        config(**{field: value})
