@@ -48,7 +48,8 @@ class Tracked:
     name: str
     messages: list[dict] = field(default_factory=list)
     session_id: str | None = None
-    consumed: int = 0  # usage.conversation_tokens of its last completed turn
+    consumed: int = 0  # usage.conversation_tokens of its last completed turn, less the passages re-read
+    reread: int = 0  # usage.reread_tokens over its completed turns (cached_tokens leaves them out)
 
     def question(self) -> str:
         return f"{self.name}, turn {len(self.messages) // 2 + 1}: tell me one more thing."
@@ -108,7 +109,9 @@ async def take_turn(url: str, conv: Tracked, max_tokens: int) -> Turn:
     turn = await chat(url, OWNER, [user], max_tokens, conv.session_id)
     conv.messages += [user, {"role": "assistant", "content": turn.text}]
     conv.session_id = turn.session_id
-    conv.consumed = turn.usage["conversation_tokens"]
+    continued = turn.usage["prompt_tokens_details"]["cached_tokens"] > 0  # else a fresh cache: none re-read yet
+    conv.reread = (conv.reread if continued else 0) + turn.usage.get("reread_tokens", 0)
+    conv.consumed = turn.usage["conversation_tokens"] - conv.reread
     return turn
 
 

@@ -138,13 +138,15 @@ class UsageInfo(BaseModel):
     # Server extras: how much of the conversation the session's fixed-budget cache still holds.
     kv_resident_tokens: int
     conversation_tokens: int
+    reread_tokens: int = 0  # tokens of the prompt fed again before its question (`h2o_cache.reread`)
 
     @classmethod
     def of(cls, usage: Usage) -> UsageInfo:
         return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                    total_tokens=usage.prompt_tokens + usage.completion_tokens,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
-                   kv_resident_tokens=usage.kv_resident_tokens, conversation_tokens=usage.conversation_tokens)
+                   kv_resident_tokens=usage.kv_resident_tokens, conversation_tokens=usage.conversation_tokens,
+                   reread_tokens=usage.reread_tokens)
 
 
 class TopLogprob(BaseModel):

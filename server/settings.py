@@ -121,6 +121,14 @@ class ServerSettings(BaseSettings):
         False, description="the probe starts after the last blank line within those tokens where there is one, so "
                            "that a question set apart from a pasted document probes alone (finds more codes said "
                            "once, fewer names and listed secrets)")
+    recall_reread: int = Field(
+        96, ge=0, le=65536, description="most tokens of a long prompt fed again right before its question: the "
+                                        "passages a greedy look at the reply's first --recall-reread-look tokens "
+                                        "(on a copy of the conversation) points at, so that a fact said once is "
+                                        "read next to the question; only for a turn longer than --kv-budget "
+                                        "(0: off)")
+    recall_reread_look: int = Field(
+        16, ge=1, le=4096, description="decode steps of a re-read's look (--recall-reread)")
     recall_burst: int = Field(
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")
@@ -242,7 +250,8 @@ class ServerSettings(BaseSettings):
                            recall_interval_max=self.recall_interval_max, recall_voters=self.recall_voters,
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,
                            recall_overlap=self.recall_overlap, recall_margin=self.recall_margin,
-                           recall_sweep=self.recall_sweep)
+                           recall_sweep=self.recall_sweep, recall_reread=self.recall_reread,
+                           recall_reread_look=self.recall_reread_look)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

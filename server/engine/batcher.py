@@ -212,6 +212,7 @@ class Batcher:
         session.consumed_text = seq.turn.prompt_text + self.generator.tokenizer.decode(
             seq.output_ids, skip_special_tokens=False)
         session.token_ids = seq.token_ids
+        session.reread = (session.reread if seq.turn.continues else 0) + seq.reread
         session.turns.append((cache.seen[0] + len(cache.pending[0]), cache.lengths[0]))
         spec = cache.spec
         seq.recalled = (cache.recall_count[0] - seq.recall_base) // (spec.num_layers * spec.num_kv_heads)
@@ -231,6 +232,7 @@ class Batcher:
             cached_tokens=seq.turn.cached_tokens,
             kv_resident_tokens=cache.lengths[0],
             conversation_tokens=cache.seen[0] + len(cache.pending[0]),
+            reread_tokens=seq.reread,
         )
         self._emit(seq, Finish(reason, usage, durable, calls))
 

@@ -101,6 +101,7 @@ class Persistence:
             session.consumed_text = metadata["consumed_text"]
             session.token_ids = array("i", base64.b64decode(metadata["token_ids"]))
             session.turns = [tuple(turn) for turn in json.loads(metadata["turns"])]
+            session.reread = int(metadata.get("reread", 0))  # snapshots from before re-reads hold none
         except (SnapshotMismatch, KeyError, ValueError) as exc:
             log.warning("snapshot of session %s refused (%s); resuming from its transcript", session.id, exc)
             session.reset()
@@ -136,6 +137,7 @@ class Persistence:
                     "consumed_text": session.consumed_text,
                     "token_ids": base64.b64encode(session.token_ids.tobytes()).decode(),  # what the inspector spells
                     "turns": json.dumps(session.turns),
+                    "reread": str(session.reread),
                 })
                 if self.db.put_snapshot(session.id, session.key, blob):
                     written, size = written + 1, size + len(blob)

@@ -48,6 +48,31 @@ class ModelRunner:
                 log.warning("the fast path failed to start (%r); decoding on the transformers path", error,
                             exc_info=True)
         self.batch: H2OCache = self.decoder.cache if self.decoder else generator.new_cache(0)
+        self.exact = exact
+        self._looker: StaticDecoder | None = None  # a 1-row fast step for re-reads' looks, built on first use
+
+    def looker(self) -> StaticDecoder | None:
+        """The 1-row decoder a re-read's look steps on (sharing the batch decoder's packed matrices), or
+        None where the batch decodes on the transformers path (the look does too)."""
+        if self._looker is None and self.decoder is not None:
+            self._looker = StaticDecoder(self.generator.model, self.generator.config, 1, exact=self.exact,
+                                         share=self.decoder)
+        return self._looker
+
+    def reread(self, seq: Sequence) -> None:
+        """Feed a sequence whose body is in the passages of its turn its reply will answer from again,
+        before its tail (`h2o_cache.reread`), where the body overflows the budget. A re-read that fails
+        is logged and skipped: the turn goes on without it."""
+        seq.reread_checked = True
+        body = seq.turn.prefill[:seq.tail_at]
+        try:
+            tokens = self.generator.reread(seq.cache, 0, body, len(seq.history), seq.turn.prefill[seq.tail_at:],
+                                           self.looker())
+        except Exception:
+            log.exception("re-read failed for request %s; the turn goes on without it", seq.request_id)
+            return
+        if tokens:
+            seq.insert(tokens)
 
     @property
     def fast(self) -> bool:
@@ -59,10 +84,14 @@ class ModelRunner:
         With recall, every row's chunk first fills the row's recall window with what its own queries
         point at (inside the pass, `h2o_cache.recall`); with `recall_ahead`, a chunk of the prompt's
         body (`Sequence.in_body`) instead with what its previous chunk's queries point at, before it.
+        Once a sequence's body is in, its re-read (`reread`) goes first.
         Returns per sequence its first token once its whole prompt is in, None while more remains,
         or the error it raised. The rows share a temporary batch cache for the pass and go back to
         their own caches after it.
         """
+        for seq in seqs:
+            if seq.reread_due:
+                self.reread(seq)
         ahead = [seq.in_body for seq in seqs]
         pieces = [seq.next_chunk(chunk) for seq in seqs]
         if len(seqs) == 1:

@@ -37,8 +37,11 @@ class Sequence:
     When the cache recalls, the turn's last `recall_probe` tokens (where the question usually is; with
     `recall_probe_break`, those after the last blank line among them) are fed as chunks of their own, so
     that their queries alone choose the recall window the reply starts with, as
-    `Generator.prefill(recall=True)` does: `tail_at` is where they start in `turn.prefill`. `recalled`
-    counts the tokens per layer/KV head copied into the window during the turn (set when it finishes).
+    `Generator.prefill(recall=True)` does: `tail_at` is where they start in `turn.prefill`. Once the body
+    is in, a turn whose body overflows the budget has the passages its reply will answer from fed again
+    before the tail (`h2o_cache.reread`, `insert`): they are then part of `turn.prefill`, and `reread`
+    counts them. `recalled` counts the tokens per layer/KV head copied into the window during the turn
+    (set when it finishes).
 
     When the request offers tools, the reply streams up to its first `<tool_call>` and the rest is
     held (`holdback`) until `conclude` tells calls from text.
@@ -60,6 +63,8 @@ class Sequence:
     holdback: Holdback | None = None
     output_ids: list[int] = field(default_factory=list)
     tail_at: int | None = None  # None: the cache does not recall
+    reread_checked: bool = False  # whether the turn's re-read (`h2o_cache.reread`) was considered
+    reread: int = 0  # tokens of the turn's text fed again before its tail (in `turn.prefill`)
     recalled: int = 0
     recall_base: int = 0  # the cache's recall_count when the turn started
     cancelled: bool = False  # set from the asyncio thread; read by the engine thread between steps
@@ -74,6 +79,18 @@ class Sequence:
     def in_body(self) -> bool:
         """Whether the next chunk is of the prompt's body, before the tail fed on its own."""
         return self.tail_at is not None and self.prefilled < self.tail_at
+
+    @property
+    def reread_due(self) -> bool:
+        """Whether the turn's body is in and its re-read not yet considered."""
+        return self.tail_at is not None and not self.reread_checked and self.prefilled == self.tail_at
+
+    def insert(self, tokens: list[int]) -> None:
+        """Feed `tokens` (a re-read) next, as part of the body, before the tail."""
+        at = self.tail_at
+        self.turn.prefill = [*self.turn.prefill[:at], *tokens, *self.turn.prefill[at:]]
+        self.tail_at = at + len(tokens)
+        self.reread += len(tokens)
 
     def next_chunk(self, size: int) -> list[int]:
         """The next <= `size` tokens to feed; a chunk ends where the tail starts, so it is fed on its own."""

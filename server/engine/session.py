@@ -15,7 +15,9 @@ class Session:
     `consumed_text` is exactly the text `cache` has consumed, its pending token included: the rendered
     prompt of the last turn followed by the decoded reply tokens; `token_ids` are those tokens, so the
     token at position p (a cache origin) is token_ids[p]. An int32 array: 4 bytes a token, about what
-    the text itself takes. A new turn reuses the cache only
+    the text itself takes. `reread` counts the tokens among them that the text does not hold: passages
+    fed again before a question (`h2o_cache.reread`), left out of the prompt's token counts. A new turn
+    reuses the cache only
     when the newly rendered conversation starts with this text (see `turn.plan_turn`).
 
     While `busy`, the request in flight takes `cache` once its prefill starts (None from then on)
@@ -29,6 +31,7 @@ class Session:
     cache: H2OCache | None = None  # None: nothing consumed yet (or reset after a failure)
     consumed_text: str = ""
     token_ids: array = field(default_factory=lambda: array("i"))
+    reread: int = 0
     turns: list[tuple[int, int]] = field(default_factory=list)  # after each turn: (conversation, resident) tokens
     last_used: float = 0.0  # time.monotonic() seconds
     busy: bool = False
@@ -60,4 +63,5 @@ class Session:
         self.cache = None
         self.consumed_text = ""
         self.token_ids = array("i")
+        self.reread = 0
 

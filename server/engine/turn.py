@@ -45,7 +45,7 @@ def plan_turn(session: Session, conversation: list[dict], render: Render, tokeni
         new = tokenizer.encode(text[len(session.consumed_text):], add_special_tokens=False)
         pending = list(cache.pending[0])
         if pending or new:
-            cached = cache.seen[0] + len(pending)
+            cached = cache.seen[0] + len(pending) - session.reread  # re-read passages are not the prompt's
             return Turn(conversation, text, pending + new, cached + len(new), cached, continues=True)
     tokens = tokenizer.encode(text, add_special_tokens=False)
     return Turn(conversation, text, tokens, len(tokens), cached_tokens=0, continues=False)

@@ -55,7 +55,8 @@ class Usage:
     completion_tokens: int
     cached_tokens: int  # part of prompt_tokens served from the session instead of prefilled
     kv_resident_tokens: int  # tokens the session's cache holds per layer/head after the turn
-    conversation_tokens: int  # tokens the session has consumed in all
+    conversation_tokens: int  # tokens the session has consumed in all (re-read passages included)
+    reread_tokens: int = 0  # tokens of the prompt fed again before its question (`h2o_cache.reread`)
 
 
 @dataclass

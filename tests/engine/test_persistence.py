@@ -13,7 +13,7 @@ from server.engine.conversation import conversation_keys
 from server.engine.session import Session
 from server.engine.statedb import StateDB
 from tests.engine.conftest import ask, collect, greedy
-from tests.engine.test_recall import RECALL
+from tests.engine.test_recall import DOCUMENT, RECALL, REREAD
 
 TURNS = ["hello there", "what is a cache?", "tell me about heavy hitters", "and rolling?"]
 
@@ -82,6 +82,23 @@ async def test_a_session_with_an_archive_resumes_from_its_snapshot_and_recalls_a
     assert second.stats().state.restored == {"snapshot": 1, "transcript": 0}
     view, control_view = await second.inspect("", session_id, 10), await control.inspect("", control_id, 10)
     assert view.kept == control_view.kept and view.kept.recalled > 0 and view.kept.archived > 0
+
+
+async def test_a_session_with_a_re_read_resumes_from_its_snapshot_counting_its_prompt_as_never_stopped(make_engine,
+                                                                                                        tmp_path):
+    turns = [f"{DOCUMENT} what is it about?", "and rolling?"]
+    control = make_engine(policy="h2o", budget=24, cache=REREAD)
+    _, expected = await talk(control, turns)
+    assert expected[0].finish.usage.reread_tokens > 0
+
+    first = restarted(make_engine, tmp_path, cache=REREAD)
+    session_id, _ = await talk(first, turns[:1])
+    first.stop()
+    second = restarted(make_engine, tmp_path, cache=REREAD)
+    _, [got] = await talk(second, turns[1:], session_id)
+    assert got.token_ids == expected[1].token_ids
+    assert got.finish.usage == expected[1].finish.usage  # cached_tokens leave the re-read out after a restart too
+    assert second.stats().state.restored == {"snapshot": 1, "transcript": 0}
 
 
 async def test_after_a_crash_a_session_resumes_from_its_transcript(make_engine, tmp_path):

@@ -9,13 +9,16 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from h2o_cache import Generator, recall
+from h2o_cache import Generator, recall, reread
 from server.engine import GenerationFailed
+from server.engine.sequence import Sequence
 from tests.engine.conftest import ask, collect, greedy
 
 # A probe longer than a prefill chunk (16) is fed in two chunks after the recall; the third turn
-# (about 22 tokens) is all probe.
-RECALL = dict(recall_budget=16, recall_block=4, recall_probe=24, recall_archive=512)
+# (about 22 tokens) is all probe. No re-reads (`h2o_cache.reread`) but where a test turns them on.
+RECALL = dict(recall_budget=16, recall_block=4, recall_probe=24, recall_archive=512, recall_reread=0)
+REREAD = {**RECALL, "recall_reread": 12, "recall_reread_look": 4}
+DOCUMENT = " ".join(["a long pasted document about caches and budgets"] * 4)
 TURNS = ["tell me everything about caches and budgets", "and more", "ok"]
 
 
@@ -156,3 +159,56 @@ async def test_a_question_set_apart_from_its_document_probes_alone_as_generate_d
     assert len(tokens) - RECALL["recall_probe"] < start < len(tokens) - 12  # the question and the template alone
     assert bytes(t - 3 for t in tokens[start:]).startswith(b"why?")
     assert_as_generate(engine, replies, states)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+async def test_a_long_turn_is_re_read_as_generate_re_reads_it_and_counted_apart(make_engine, monkeypatch, eager):
+    """The re-read passages go into the session's tokens where they were fed, as `Generator.generate` feeds
+    them; the prompt's token counts leave them out, the conversation's count holds them."""
+    engine = make_engine(policy="h2o", budget=32, cache=REREAD, enforce_eager=eager)
+    inserted = []
+    insert = Sequence.insert
+
+    def spy(seq, tokens):
+        inserted.append((len(seq.history) + seq.tail_at, list(tokens)))
+        insert(seq, tokens)
+
+    monkeypatch.setattr(Sequence, "insert", spy)
+    replies, states = await talk(engine, [f"{DOCUMENT} what is it about?", "and then?"])
+    first, second = replies
+    [(at, again)] = inserted  # the short second turn is not re-read
+    assert first.finish.usage.reread_tokens == len(again) > 0 and second.finish.usage.reread_tokens == 0
+    token_ids = states[0][1]
+    assert list(token_ids[at:at + len(again)]) == again
+    prompt = list(token_ids[:at]) + list(token_ids[at + len(again):len(token_ids) - len(first.token_ids)])
+    assert first.finish.usage.prompt_tokens == len(prompt)  # what the client sent, not the re-read
+    assert second.finish.usage.cached_tokens == len(prompt) + len(first.token_ids)
+    assert second.finish.usage.prompt_tokens == len(states[1][1]) - len(again) - len(second.token_ids)
+    assert second.finish.usage.conversation_tokens == len(states[1][1])  # every token fed, the re-read too
+    generator = Generator(engine.generator.model, engine.tokenizer, engine.cache_config)
+    cache = generator.new_cache(1)
+    [completion] = generator.generate([prompt], greedy(20), cache)
+    assert completion.token_ids == first.token_ids and row_state(cache) == states[0][0]
+
+
+async def test_a_failed_re_read_is_skipped_and_the_turn_goes_on_without_it(make_engine, monkeypatch):
+    engine = make_engine(policy="h2o", budget=32, cache=REREAD)
+    plain = make_engine(policy="h2o", budget=32, cache=RECALL)
+    expected, _ = await talk(plain, [f"{DOCUMENT} what is it about?"])
+    counted = reread.held_counts
+    calls = []
+
+    def failing(cache, start, end):  # the look's second step fails, its row in the look's decoder
+        calls.append(start)
+        if len(calls) == 3:
+            raise RuntimeError("injected re-read failure")
+        return counted(cache, start, end)
+
+    monkeypatch.setattr(reread, "held_counts", failing)
+    replies, states = await talk(engine, [f"{DOCUMENT} what is it about?"])
+    assert len(calls) == 3
+    assert replies[0].finish.usage.reread_tokens == 0 and replies[0].token_ids == expected[0].token_ids
+    assert engine.runner.looker().cache.batch_size == 0
+    monkeypatch.setattr(reread, "held_counts", counted)
+    again, _ = await talk(engine, [f"{DOCUMENT} what is it about?"])  # a new session: re-read again
+    assert again[0].finish.usage.reread_tokens > 0

@@ -18,7 +18,8 @@ async def test_reply_has_the_openai_shape_and_names_its_session(client, engine):
                       "logprobs": None, "finish_reason": "stop"}
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
                              "prompt_tokens_details": {"cached_tokens": 1},
-                             "kv_resident_tokens": 8, "conversation_tokens": 8}
+                             "kv_resident_tokens": 8, "conversation_tokens": 8,
+                             "reread_tokens": 0}
     assert r.headers["x-session-id"] == engine.handles[0].session_id
 
 

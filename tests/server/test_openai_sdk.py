@@ -19,7 +19,7 @@ def test_plain_completion(sdk):
     assert completion.choices[0].message.content == "red green blue "
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage.total_tokens == 7 and completion.usage.prompt_tokens_details.cached_tokens == 1
-    assert completion.usage.model_extra == {"kv_resident_tokens": 7, "conversation_tokens": 7}
+    assert completion.usage.model_extra == {"kv_resident_tokens": 7, "conversation_tokens": 7, "reread_tokens": 0}
 
 
 def test_streaming_with_include_usage(sdk):
