@@ -189,9 +189,10 @@ def score_fast(gen: Generator, config: CacheConfig, items: list[Item], batch: in
 
 @torch.no_grad()
 def _score_fast_group(gen: Generator, config: CacheConfig, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor]:
-    from h2o_cache import StaticDecoder
+    from h2o_cache import StaticDecoder, reread
 
     decoder = StaticDecoder(gen.model, config, len(items))
+    gen.looker = reread.looker(gen.model, config, share=decoder)  # re-reads look on the fast step too
     firsts = []
     for item in items:
         row = gen.new_cache(1, config)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 
-from h2o_cache import CacheConfig, Generator
+from h2o_cache import CacheConfig, Generator, reread
 from h2o_cache.bench.common import add_model_args, config_field, data_path, load, markdown_table, read_text
 from h2o_cache.bench.nll import FULL_CHUNK, Item, fork, score
 
@@ -316,8 +316,9 @@ def recalled(gen: Generator, config: CacheConfig, prefix: list[int], chats: list
     for start in range(0, len(chats), batch):
         group = chats[start:start + batch]
         cache = fork(gen, config, prefix, len(group))
-        for i in range(len(group[0].pieces)):
-            gen.prefill(cache, [chat.pieces[i][0] for chat in group], recall=group[0].pieces[i][1])
+        for i in range(len(group[0].pieces)):  # the first piece goes on with the prefix's turn
+            gen.prefill(cache, [chat.pieces[i][0] for chat in group], recall=group[0].pieces[i][1],
+                        before=[prefix] * len(group) if i == 0 else None)
         group = [chat.item for chat in group]
         if decode_opening:
             group = decode_openings(gen, cache, group)
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     accuracy: dict[tuple[str, str], float | None] = {}
     for spec in args.caches:
         config = cache_config(spec, settings)
+        gen.looker = reread.looker(model, config)  # the re-reads' looks on the fast step, as the server's
         for label, prefix, items in cells:
             longest = len(prefix) + max(chat.tokens + len(chat.item.target) for chat in items)
             if not config.evicts and window and longest > window:

@@ -19,9 +19,11 @@ recall on vs off at the same budget.
   evicted: where the cost sits (a choosing step of 8 rows pays 8 choices at once).
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
   recall as configured by default (every chunk chooses layer by layer with all its queries; the
-  windows grow), with chunks choosing by 16 of their queries per head (`recall_queries=16`), with
-  that and `recall_ahead` (a body chunk takes the window its previous chunk chose, all layers in one
-  choice), and without recall, interleaved.
+  windows grow; the passages a look at the reply points at are fed again before the last
+  `recall_probe` tokens, `h2o_cache.reread`, the look on a 1-row fast step as in the server), the same
+  with no re-read, then with chunks choosing by 16 of their queries per head (`recall_queries=16`),
+  with that and `recall_ahead` (a body chunk takes the window its previous chunk chose, all layers in
+  one choice), and without recall, interleaved.
 Also printed: the host bytes one archived token takes, and what the archive holds.
 """
 
@@ -35,7 +37,7 @@ from typing import TypeVar
 
 import torch
 
-from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder, native_recall
+from h2o_cache import CacheConfig, Generator, H2OCache, StaticDecoder, native_recall, reread
 from h2o_cache.bench.common import add_model_args, load, markdown_table
 from h2o_cache.bench.speed import greedy_step, greedy_step_seconds
 from h2o_cache.bench.stats import Interval, median_interval
@@ -177,18 +179,24 @@ def step_table(decoders: dict[str, StaticDecoder], batch: int, reps: int, steps:
     return table
 
 
-def prefill_times(gen: Generator, configs: dict[str, CacheConfig], prompt: list[int], reps: int) -> dict[str, list[float]]:
+def prefill_times(gen: Generator, configs: dict[str, CacheConfig], prompt: list[int], reps: int,
+                  lookers: dict | None = None) -> dict[str, list[float]]:
+    """Each config's prefill times; lookers[name]: the 1-row fast step a config that re-reads
+    (`h2o_cache.reread`) looks on, as the server does (`reread.looker`)."""
     times = {name: [] for name in configs}
     for rep in range(reps + 1):
         for name, config in rotated(configs, rep):
             row = gen.new_cache(1, config)
+            gen.looker = (lookers or {}).get(name)
             sync(gen)
             began = time.perf_counter()
             gen.prefill(row, [prompt], recall=True)
             sync(gen)
             if rep:  # the first round warms up
                 times[name].append(time.perf_counter() - began)
+    gen.looker = None
     return times
+
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -327,14 +335,18 @@ def main(argv: list[str] | None = None) -> None:
         chunk = max(1, args.budget // 2)  # the server's chunk with recall
         prefills = {"off": replace(configs["off"], prefill_chunk=chunk),
                     "on": CacheConfig(budget=args.budget, recall_budget=args.recall, prefill_chunk=chunk)}
-        prefills["16 queries"] = replace(prefills["on"], recall_queries=16)
-        prefills["ahead"] = replace(prefills["on"], recall_queries=16, recall_ahead=True)
-        labels = [("on", ""), ("16 queries", ", chunks choosing by 16 queries per head (recall_queries)"),
+        prefills["no re-read"] = replace(prefills["on"], recall_reread=0)
+        prefills["16 queries"] = replace(prefills["no re-read"], recall_queries=16)
+        prefills["ahead"] = replace(prefills["no re-read"], recall_queries=16, recall_ahead=True)
+        labels = [("on", f", re-reading {prefills['on'].recall_reread} tokens (the default)"),
+                  ("no re-read", ", no re-read (recall_reread=0)"),
+                  ("16 queries", ", no re-read, chunks choosing by 16 queries per head (recall_queries)"),
                   ("ahead", ", and body chunks given their previous chunk's choice (recall_ahead)")]
         if args.ranks:
             prefills["ranks"] = replace(prefills["on"], recall_positions="rank")
             labels.append(("ranks", ", held keys read at their ranks (recall_positions='rank')"))
-        times = prefill_times(gen, prefills, prompt, args.prefill_reps)
+        lookers = {name: reread.looker(gen.model, config) for name, config in prefills.items()}
+        times = prefill_times(gen, prefills, prompt, args.prefill_reps, lookers)
         for name, label in labels:
             ratio = median_interval([a / b for a, b in zip(times[name], times["off"])])
             table.append([f"prefill of a {args.prompt}-token prompt in chunks of {chunk}{label}", 1e3 * statistics.median(times["off"]),
