@@ -153,3 +153,23 @@ def test_the_text_must_cover_the_turn(peaked_model):
 def test_bad_re_read_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         config(**{field: value})
+
+
+def test_a_turn_fed_in_two_calls_is_re_read_over_both_pieces(peaked_model):
+    """`prefill(before=...)`: the turn began with tokens fed already; passages may come from them too."""
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    prompt = tokens(120, 10)
+    prefix, piece = prompt[:60], prompt[60:]
+    cache = generator.new_cache(1)
+    generator._prefill(cache, [prefix], ahead=True)
+    logits = generator.prefill(cache, [piece], recall=True, before=[prefix])[0]
+
+    by_hand = generator.new_cache(1)
+    generator._prefill(by_hand, [prefix], ahead=True)
+    at = generator.probe_start(piece, by_hand.config)
+    generator._prefill(by_hand, [piece[:at]], ahead=True)
+    again = generator.reread(by_hand, 0, prefix + piece[:at], 0, piece[at:])
+    assert again
+    generator._prefill(by_hand, [again], ahead=True)
+    assert torch.equal(logits, generator._prefill(by_hand, [piece[at:]])[0])
+    assert cache.seen[0] == len(prompt) + len(again) and same(state(cache, 0), state(by_hand, 0))
