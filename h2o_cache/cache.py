@@ -171,15 +171,7 @@ class H2OCache:
 
     def pop(self, row: int) -> H2OCache:
         """Remove one row and return it as a cache of its own; the last row takes its place."""
-        single = H2OCache(self.spec, self.config)
-        length = self.lengths[row]
-        single._reserve(1, length)
-        single._copy_row(0, self, row, length)
-        single.lengths, single.seen, single.pending = [length], [self.seen[row]], [self.pending[row]]
-        single.epochs = [next(_epochs)]
-        single.archives, single.recalled = [self.archives[row]], [self.recalled[row]]
-        single.windows, single.recall_count = [self.windows[row]], [self.recall_count[row]]
-        single.due, single.decoded, single.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
+        single = self._single(row, copy=False)
         last = self.batch_size - 1
         per_row = (self.lengths, self.seen, self.pending, self.archives, self.recalled, self.windows,
                    self.recall_count, self.due, self.decoded, self.ahead)
@@ -196,18 +188,26 @@ class H2OCache:
     def copy(self, row: int) -> H2OCache:
         """Row `row` as a cache of its own, copied, archive and window included: passes fed to the copy
         leave this cache as it is (`h2o_cache.reread` looks ahead on one)."""
-        twin = H2OCache(self.spec, self.config)
+        return self._single(row, copy=True)
+
+    def _single(self, row: int, copy: bool) -> H2OCache:
+        """A 1-row cache holding row `row`'s state (`pop`, `copy`): its buffers copied; its archive, window
+        and pending tokens taken as they are, or with `copy` copied too."""
+        single = H2OCache(self.spec, self.config)
         length = self.lengths[row]
-        twin._reserve(1, length)
-        twin._copy_row(0, self, row, length)
-        twin.lengths, twin.seen, twin.pending = [length], [self.seen[row]], [list(self.pending[row])]
-        twin.epochs = [next(_epochs)]
-        archive, window = self.archives[row], self.windows[row]
-        twin.archives = [archive.copy() if archive is not None else None]
-        twin.windows = [None if window is None else (window[0], window[1].clone())]
-        twin.recalled, twin.recall_count = [self.recalled[row]], [self.recall_count[row]]
-        twin.due, twin.decoded, twin.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
-        return twin
+        single._reserve(1, length)
+        single._copy_row(0, self, row, length)
+        archive, window, pending = self.archives[row], self.windows[row], self.pending[row]
+        if copy:
+            archive = archive.copy() if archive is not None else None
+            window = None if window is None else (window[0], window[1].clone())
+            pending = list(pending)
+        single.lengths, single.seen, single.pending = [length], [self.seen[row]], [pending]
+        single.epochs = [next(_epochs)]
+        single.archives, single.recalled = [archive], [self.recalled[row]]
+        single.windows, single.recall_count = [window], [self.recall_count[row]]
+        single.due, single.decoded, single.ahead = [self.due[row]], [self.decoded[row]], [self.ahead[row]]
+        return single
 
     def _buffers(self) -> list[torch.Tensor]:
         buffers = (self._keys, self._values, self._rotated, self._scores, self._origins, self._pinned)

@@ -46,7 +46,7 @@ def due(cache: H2OCache, body: int) -> bool:
 def held_counts(cache: H2OCache, start: int, end: int) -> torch.Tensor:
     """[end - start] int64: how many windows (layers x KV heads) of row 0 hold each position in [start, end)."""
     r = cache.recalled[0]
-    origins = cache._origins[:, 0, :, :r].reshape(-1).cpu()
+    origins = cache.buffers().origins[:, 0, :, :r].reshape(-1).cpu()
     inside = origins[(origins >= start) & (origins < end)] - start
     return torch.bincount(inside, minlength=end - start)
 
@@ -127,16 +127,16 @@ def excerpt(generator, cache: H2OCache, row: int, text: Sequence[int], start: in
     return out
 
 
-def looker(model, config, share=None):
+def looker(model, config, share=None, exact: bool = False):
     """A `StaticDecoder` of one row for the looks of caches of `config` (the fast step: the server's), or
     None where they do not re-read or the model takes no fast step. share: a decoder of the same model
-    whose packed matrices it reads too."""
+    whose packed matrices it reads too; exact: as `StaticDecoder`'s."""
     from h2o_cache.hf import UnsupportedModelError
     from h2o_cache.static import StaticDecoder
 
     if not (config.recalls and config.recall_reread and config.rolling):
         return None
     try:
-        return StaticDecoder(model, config, 1, share=share)
+        return StaticDecoder(model, config, 1, exact=exact, share=share)
     except (ValueError, UnsupportedModelError):
         return None

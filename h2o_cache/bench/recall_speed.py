@@ -198,7 +198,6 @@ def prefill_times(gen: Generator, configs: dict[str, CacheConfig], prompt: list[
     return times
 
 
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=256)

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from h2o_cache import Generator, H2OCache, Sample, StaticDecoder, UnsupportedModelError, sample
+from h2o_cache import Generator, H2OCache, Sample, StaticDecoder, UnsupportedModelError, reread, sample
 from server.engine.grammar import constrain
 from server.engine.sequence import Sequence
 
@@ -55,8 +55,7 @@ class ModelRunner:
         """The 1-row decoder a re-read's look steps on (sharing the batch decoder's packed matrices), or
         None where the batch decodes on the transformers path (the look does too)."""
         if self._looker is None and self.decoder is not None:
-            self._looker = StaticDecoder(self.generator.model, self.generator.config, 1, exact=self.exact,
-                                         share=self.decoder)
+            self._looker = reread.looker(self.generator.model, self.generator.config, self.decoder, self.exact)
         return self._looker
 
     def reread(self, seq: Sequence) -> None:
