@@ -103,7 +103,8 @@ class CacheConfig:
     recall_reread: most tokens of a turn's own text that a turn whose body overflows the budget feeds
         again before its tail (`h2o_cache.reread`): the passages its reply's first steps point at, found
         by a greedy look on a copy of the row (0: off; with recall only).
-    recall_reread_look: decode steps of that look.
+    recall_reread_look: decode steps of that look (>= 2: the first step's choice is what the others are
+        measured against).
     recall_rank_steps: with "rank", a reply's first decode passes (after each prefill) that read the
         held keys at their ranks, after which its passes read the text layout until the next prompt;
         every prefill pass reads ranks (None: every pass). A reply's answer about a long prompt is
@@ -228,8 +229,8 @@ class CacheConfig:
                 raise ValueError(f"recall_rank_steps must be >= 0 or None, got {self.recall_rank_steps}")
             if self.recall_reread < 0:
                 raise ValueError(f"recall_reread must be >= 0, got {self.recall_reread}")
-            if self.recall_reread_look < 1:
-                raise ValueError(f"recall_reread_look must be >= 1, got {self.recall_reread_look}")
+            if self.recall_reread_look < 2:
+                raise ValueError(f"recall_reread_look must be >= 2 (its first step is the baseline), got {self.recall_reread_look}")
         if self.recall_budget < 0:
             raise ValueError(f"recall_budget must be >= 0, got {self.recall_budget}")
         if not policy.evicts:

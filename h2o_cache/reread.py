@@ -9,9 +9,12 @@ body is fed and before its tail (the probe, where the question usually is):
 1. On a copy of the row (`H2OCache.copy`), the tail is fed and the reply's first `recall_reread_look`
    tokens are decoded greedily. Each of those steps chooses its window by its own queries, and the
    reply's opening ("The access code for the north gate is") points at the fact as the question alone
-   does not. Each position of the turn's text gains the number of windows (layers x KV heads) that hold
-   it at a step of the look, less the number that held it when the tail alone had chosen (what every
-   query keeps, such as the first tokens, cancels).
+   does not. Each position of the turn's text gains, at each step of the look after its first, the
+   number of windows (layers x KV heads) that hold it, less the most that held it when the tail alone
+   had chosen or at the look's first step. What every query keeps (the first tokens) cancels, and so
+   do the blocks a decode step's choice holds before the reply has said anything: a decode step
+   chooses by other means than a prompt's chunk, and the blocks it favours whatever it is asked took
+   the excerpt's room from all but the first of several facts one reply names (RESULTS.md, "Re-reading").
 2. The positions that gained most, each widened to `SPAN_BEFORE` tokens before and `SPAN_AFTER` after
    it, merged where they touch, up to `recall_reread` tokens, are the excerpt: their tokens in the
    order of the text, a separator (a blank line) before and after each passage.
@@ -53,14 +56,15 @@ def held_counts(cache: H2OCache, start: int, end: int) -> torch.Tensor:
 
 def gains(generator, cache: H2OCache, row: int, tail: list[int], start: int, end: int, look: int,
           decoder=None) -> torch.Tensor:
-    """[end - start] int64: per position of the text in [start, end), the windows that hold it over a
-    greedy look of `look` decode steps after `tail`, beyond those that held it after the tail alone
-    (step 1 of the module's account). Runs on a copy of `row`; `cache` is left as it was. decoder: a
+    """[end - start] int64: per position of the text in [start, end), the windows that hold it over
+    steps 2..`look` of a greedy look after `tail`, beyond the most that held it after the tail alone or
+    after the look's first step (step 1 of the module's account). Runs on a copy of `row`; `cache` is left as it was. decoder: a
     `StaticDecoder` with no rows, to take the look's steps (the fast step) instead of `generator.step`."""
     twin = cache.copy(row)
     logits = generator._prefill(twin, [tail])[0]
     base = held_counts(twin, start, end)
     total = torch.zeros_like(base)
+    first = True
     if decoder is not None:
         if decoder.cache.batch_size:
             raise ValueError("the look's decoder must hold no rows")
@@ -76,7 +80,12 @@ def gains(generator, cache: H2OCache, row: int, tail: list[int], start: int, end
             else:
                 twin.pending[0] = [token]
                 logits = decoder.step()[0]
-            total += (held_counts(twin, start, end) - base).clamp_(min=0)
+            held = held_counts(twin, start, end)
+            if first:  # what a decode step's choice holds before the reply has said anything
+                base = torch.maximum(base, held)
+                first = False
+            else:
+                total += (held - base).clamp_(min=0)
     finally:
         if decoder is not None:
             decoder.cache.pop(0)

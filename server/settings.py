@@ -128,7 +128,8 @@ class ServerSettings(BaseSettings):
                                         "read next to the question; only for a turn longer than --kv-budget "
                                         "(0: off)")
     recall_reread_look: int = Field(
-        16, ge=1, le=4096, description="decode steps of a re-read's look (--recall-reread)")
+        16, ge=2, le=4096, description="decode steps of a re-read's look (--recall-reread); its first step is what "
+                                       "the others are measured against")
     recall_burst: int = Field(
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")

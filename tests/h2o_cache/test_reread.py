@@ -140,6 +140,31 @@ def test_the_look_on_a_static_decoder_gains_as_on_the_generator_and_leaves_it_em
         reread.gains(generator, cache, 0, prompt[at:], 0, at, 4, decoder)
 
 
+def test_the_look_scores_the_windows_its_later_steps_gain_over_the_tail_and_its_first_step(peaked_model):
+    """A position scores, summed over the look's steps after its first, the windows holding it beyond the
+    most that held it after the tail alone or at the first step: what a decode step's choice holds
+    before the reply has said anything is not what the reply points at."""
+    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_look=5))
+    prompt = tokens(120, 10)
+    cache = generator.new_cache(1)
+    at = generator.probe_start(prompt, cache.config)
+    generator._prefill(cache, [prompt[:at]], ahead=True)
+    ours = reread.gains(generator, cache, 0, prompt[at:], 0, at, 5)
+
+    twin = cache.copy(0)
+    logits = generator._prefill(twin, [prompt[at:]])[0]
+    held = [reread.held_counts(twin, 0, at)]
+    for _ in range(5):
+        logits = generator.step(twin, [[int(logits.argmax())]])[0]
+        held.append(reread.held_counts(twin, 0, at))
+    floor = torch.maximum(held[0], held[1])
+    expected = sum((h - floor).clamp(min=0) for h in held[2:])
+    assert torch.equal(ours, expected) and int(ours.sum()) > 0
+    assert not ours[floor >= torch.stack(held[2:]).max(0).values].any()  # held as much at the first step: nothing
+    over_tail = sum((h - held[0]).clamp(min=0) for h in held[1:])  # every step against the tail alone
+    assert not torch.equal(ours, over_tail)  # the first step's choice made a difference here
+
+
 def test_the_text_must_cover_the_turn(peaked_model):
     generator = Generator(peaked_model, ByteTokenizer(), config())
     cache = generator.new_cache(1)
@@ -149,7 +174,7 @@ def test_the_text_must_cover_the_turn(peaked_model):
         reread.excerpt(generator, cache, 0, body[1:], 0, [5, 6], [10])
 
 
-@pytest.mark.parametrize("field, value", [("recall_reread", -1), ("recall_reread_look", 0)])
+@pytest.mark.parametrize("field, value", [("recall_reread", -1), ("recall_reread_look", 1)])
 def test_bad_re_read_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         config(**{field: value})
