@@ -185,12 +185,14 @@ class H2OCache:
         self.epochs.pop()
         return single
 
-    def copy(self, row: int) -> H2OCache:
+    def copy(self, row: int, lend: bool = False) -> H2OCache:
         """Row `row` as a cache of its own, copied, archive and window included: passes fed to the copy
-        leave this cache as it is (`h2o_cache.reread` looks ahead on one)."""
-        return self._single(row, copy=True)
+        leave this cache as it is (`h2o_cache.reread` looks ahead on one). lend: the copy's archive works
+        on the row's archive's storage (`Archive.lend`) until its `give_back`, after which only this
+        cache is used again."""
+        return self._single(row, copy=True, lend=lend)
 
-    def _single(self, row: int, copy: bool) -> H2OCache:
+    def _single(self, row: int, copy: bool, lend: bool = False) -> H2OCache:
         """A 1-row cache holding row `row`'s state (`pop`, `copy`): its buffers copied; its archive, window
         and pending tokens taken as they are, or with `copy` copied too."""
         single = H2OCache(self.spec, self.config)
@@ -199,7 +201,7 @@ class H2OCache:
         single._copy_row(0, self, row, length)
         archive, window, pending = self.archives[row], self.windows[row], self.pending[row]
         if copy:
-            archive = archive.copy() if archive is not None else None
+            archive = None if archive is None else archive.lend() if lend else archive.copy()
             window = None if window is None else (window[0], window[1].clone())
             pending = list(pending)
         single.lengths, single.seen, single.pending = [length], [self.seen[row]], [pending]

@@ -58,9 +58,20 @@ def gains(generator, cache: H2OCache, row: int, tail: list[int], start: int, end
           decoder=None) -> torch.Tensor:
     """[end - start] int64: per position of the text in [start, end), the windows that hold it over
     steps 2..`look` of a greedy look after `tail`, beyond the most that held it after the tail alone or
-    after the look's first step (step 1 of the module's account). Runs on a copy of `row`; `cache` is left as it was. decoder: a
-    `StaticDecoder` with no rows, to take the look's steps (the fast step) instead of `generator.step`."""
-    twin = cache.copy(row)
+    after the look's first step (step 1 of the module's account). Runs on a copy of `row` whose archive
+    borrows the row's storage (`Archive.lend`); `cache` is left as it was. decoder: a `StaticDecoder`
+    with no rows, to take the look's steps (the fast step) instead of `generator.step`."""
+    twin = cache.copy(row, lend=True)
+    lent = twin.archives[0]
+    try:
+        return _look(generator, twin, tail, start, end, look, decoder)
+    finally:
+        if lent is not None:
+            lent.give_back()
+
+
+def _look(generator, twin: H2OCache, tail: list[int], start: int, end: int, look: int, decoder) -> torch.Tensor:
+    """`gains` on the row's copy `twin`."""
     logits = generator._prefill(twin, [tail])[0]
     base = held_counts(twin, start, end)
     total = torch.zeros_like(base)

@@ -511,3 +511,41 @@ def test_a_swept_choice_ranks_its_kept_candidates_and_the_stripe_and_finds_the_r
     a.select(away, 2.0, 4, everywhere=True, sweep=sweep)
     assert needle_block not in state.candidates and needle_block in state.question
     assert torch.equal(a.select(toward, 2.0, 4, everywhere=True, sweep=sweep), needle)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("more", [2, 20, 60], ids=["appends", "grows", "drops"])
+def test_a_lent_twin_given_back_leaves_its_lender_as_if_it_had_never_lent(native, more, monkeypatch):
+    """`Archive.lend`: a twin works on its lender's storage (appending, forming blocks among the
+    lender's unformed tokens, growing, dropping its oldest at the limit) and, given back, leaves the
+    lender going on exactly as an archive that never lent: the same tokens, blocks and choices."""
+    if not native:
+        monkeypatch.setattr(Archive, "native", lambda self: False)
+    queries = torch.randn(L, H, 2, D, generator=torch.Generator().manual_seed(5))
+
+    def filled() -> Archive:
+        a = archive(block=4, limit=64)
+        a.append(*tokens(10, 0, seed=1))
+        select_blocks(a, queries, 1.0, 1)  # two blocks formed, two tokens not
+        late = tokens(3, 100, seed=2)
+        late[3][:] = torch.tensor([102, 40, 101])  # out of order: forming sorts them
+        a.append(*late)
+        return a
+
+    lender, never = filled(), filled()
+    twin = lender.lend()
+    early = tokens(more, 50, seed=3)
+    early[3][:] = torch.arange(more).flip(0) + 50  # sorted among the lender's unformed tokens
+    twin.append(*early)
+    select_blocks(twin, queries, 1.0, 2)  # forms the twin's blocks
+    shared = twin._data["keys"] is lender._data["keys"]
+    assert shared == (more == 2)  # one that grew or dropped blocks took storage of its own
+    if shared:  # the twin's forming sorted the lender's unformed tokens among its own
+        assert not torch.equal(lender._data["origins"][..., 8:13], never._data["origins"][..., 8:13])
+    twin.give_back()
+    for a in (lender, never):
+        a.append(*tokens(7, 200, seed=4))
+    ours, theirs = lender.state(), never.state()
+    assert all(torch.equal(ours[name], theirs[name]) for name in (*FIELDS, "blocked"))
+    assert torch.equal(select_blocks(lender, queries, 1.0, 2), select_blocks(never, queries, 1.0, 2))
+    assert lender.version == never.version

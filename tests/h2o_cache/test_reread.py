@@ -55,18 +55,23 @@ def test_passages_take_the_best_positions_widened_and_merged_up_to_the_limit():
     assert reread.passages(-torch.ones(10, dtype=torch.int64), 100) == []
 
 
-def test_a_copy_of_a_row_runs_as_the_row_and_leaves_it_as_it_was(peaked_model):
+@pytest.mark.parametrize("lend", [False, True], ids=["copied", "lent"])
+def test_a_copy_of_a_row_runs_as_the_row_and_leaves_it_as_it_was(peaked_model, lend):
+    """Its archive copied, or lent (`Archive.lend`: working on the row's storage until given back)."""
     generator = Generator(peaked_model, ByteTokenizer(), config())
     cache = generator.new_cache(2)
     generator.prefill(cache, [tokens(70, 1), tokens(90, 2)])
-    twin = cache.copy(1)
+    twin = cache.copy(1, lend=lend)
     assert same(state(twin, 0), state(cache, 1))
-    before = state(cache, 1)
+    before, archived = state(cache, 1), cache.archives[1].state()
     # the copy runs as the row would: the same logits for the same tokens
     ours = generator.step(twin, [[5]])[0]
     for extra in ([7, 9, 11, 13], [17]):
         generator.step(twin, [extra])
+    assert len(twin.archives[0]) > len(archived["keys"][0, 0])  # the copy archived tokens of its own
+    twin.archives[0].give_back()
     assert same(state(cache, 1), before)  # the row is as it was
+    assert all(torch.equal(cache.archives[1].state()[name], archived[name]) for name in archived)
     mine = generator.step(cache, [[], [5]])[1]
     assert torch.allclose(ours, mine, atol=1e-5)  # one row against two in a pass: the same up to rounding
 
