@@ -340,10 +340,10 @@ def main(argv: list[str] | None = None) -> None:
         labels = [("on", f", re-reading {prefills['on'].recall_reread} tokens (the default)"),
                   ("no re-read", ", no re-read (recall_reread=0)"),
                   ("16 queries", ", no re-read, chunks choosing by 16 queries per head (recall_queries)"),
-                  ("ahead", ", and body chunks given their previous chunk's choice (recall_ahead)")]
+                  ("ahead", ", no re-read, 16 queries, body chunks given their previous chunk's choice (recall_ahead)")]
         if args.ranks:
             prefills["ranks"] = replace(prefills["on"], recall_positions="rank")
-            labels.append(("ranks", ", held keys read at their ranks (recall_positions='rank')"))
+            labels.append(("ranks", ", re-reading, held keys read at their ranks (recall_positions='rank')"))
         lookers = {name: reread.looker(gen.model, config) for name, config in prefills.items()}
         times = prefill_times(gen, prefills, prompt, args.prefill_reps, lookers)
         for name, label in labels:

@@ -48,7 +48,7 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
         "| prefill of a 100-token prompt in chunks of 16, re-reading 96 tokens (the default)",
         "| prefill of a 100-token prompt in chunks of 16, no re-read (recall_reread=0)",
         "| prefill of a 100-token prompt in chunks of 16, no re-read, chunks choosing by 16 queries per head (recall_queries)",
-        "| prefill of a 100-token prompt in chunks of 16, and body chunks given their previous chunk's choice (recall_ahead)"]
+        "| prefill of a 100-token prompt in chunks of 16, no re-read, 16 queries, body chunks given their previous chunk's choice (recall_ahead)"]
     assert all(row.endswith(("| met |", "| MISSED |")) for row in rows)
     for row in rows:  # the median ratio, then its bootstrap interval over the repetitions, which holds it
         cells = [cell.strip() for cell in row.strip("|").split("|")]
@@ -67,7 +67,7 @@ def test_recall_speed_ranks_times_the_steps_and_the_prefill_with_every_held_key_
     rows = [line.split(" |")[0] for line in capsys.readouterr().out.splitlines()
             if line.startswith(("| decode step", "| prefill"))]
     assert "| decode step, batch 1, on, every 1, ranks" in rows
-    assert "| prefill of a 60-token prompt in chunks of 16, held keys read at their ranks (recall_positions='rank')" in rows
+    assert "| prefill of a 60-token prompt in chunks of 16, re-reading, held keys read at their ranks (recall_positions='rank')" in rows
 
 
 def test_recall_speed_breakdown_times_the_window_without_choices_and_as_many_slots_without_recall(tmp_path, capsys):
