@@ -97,7 +97,6 @@ class Archive:
         self._digested = 0  # blocks whose digests are computed
         self._incoming: list[tuple[int, tuple[torch.Tensor | None, ...], torch.cuda.Event | None]] = []
         self._sweep: Sweep | None = None
-        self._shared = False  # the storage is a lender's (`lend`)
         self._lent: tuple[Archive, int, dict[str, torch.Tensor]] | None = None  # `lend`: whose storage, what to restore
 
     def _ranks_copies(self) -> bool:
@@ -201,12 +200,11 @@ class Archive:
             half[:, :, :self._digested * self.block] = self._half[:, :, :self._digested * self.block]
         self._data, self._lo, self._hi, self._half = new, lo, hi, half
         self._capacity = capacity
-        self._shared = False
 
     def _drop_oldest(self, at_least: int) -> None:
         """Drop the oldest whole blocks (at least `at_least` tokens, an eighth of the limit or more)."""
         self._digests()  # lands pending copies; every full block has its digest to move
-        if self._shared:  # shifting the lender's storage would lose its tokens
+        if self._lent is not None and self._data is self._lent[0]._data:  # shifting the lender's would lose its tokens
             self._reallocate(self._capacity)
         size, full = self.block, self.stored // self.block
         drop = min(full, -(-max(at_least, self.limit // 8) // size))
@@ -417,7 +415,7 @@ class Archive:
         twin = Archive(*self.shape, self.head_dim, self.dtype, self.block, self.limit, self.digest)
         twin._data, twin._lo, twin._hi, twin._half = self._data, self._lo, self._hi, self._half
         twin.stored, twin.dropped, twin.epoch = self.stored, self.dropped, self.epoch
-        twin._capacity, twin._digested, twin._shared = self._capacity, self._digested, bool(self._data)
+        twin._capacity, twin._digested = self._capacity, self._digested
         start = self._digested * self.block
         twin._lent = (self, start, {name: buffer[:, :, start:self.stored].clone() for name, buffer in self._data.items()})
         return twin

@@ -75,14 +75,13 @@ def _look(generator, twin: H2OCache, tail: list[int], start: int, end: int, look
     logits = generator._prefill(twin, [tail])[0]
     base = held_counts(twin, start, end)
     total = torch.zeros_like(base)
-    first = True
     if decoder is not None:
         if decoder.cache.batch_size:
             raise ValueError("the look's decoder must hold no rows")
         decoder.cache.extend(twin, move=True)
         twin = decoder.cache
     try:
-        for _ in range(look):
+        for step in range(look):
             token = int(logits.argmax())
             if token in generator.eos_token_ids:
                 break
@@ -92,9 +91,8 @@ def _look(generator, twin: H2OCache, tail: list[int], start: int, end: int, look
                 twin.pending[0] = [token]
                 logits = decoder.step()[0]
             held = held_counts(twin, start, end)
-            if first:  # what a decode step's choice holds before the reply has said anything
+            if step == 0:  # what a decode step's choice holds before the reply has said anything
                 base = torch.maximum(base, held)
-                first = False
             else:
                 total += (held - base).clamp_(min=0)
     finally:
