@@ -174,6 +174,16 @@ class Archive:
                 self._data[name][:, :, start:end] = 0 if source is None else source
         self._incoming.clear()
 
+    def expect(self, more: int) -> None:
+        """Make room now for `more` tokens per head beyond those held, and an eighth more (what a turn
+        feeds after its body: the re-read excerpt, the question), up to the limit, in one allocation: a
+        long prompt's archive is otherwise reallocated and copied each time it outgrows its storage by
+        half (9 times for a 4k prompt, ~0.16 s of its prefill on the default model). A lent twin keeps
+        its lender's storage."""
+        needed = min(self.limit, self.stored + more + more // 8)
+        if needed > self._capacity and self._lent is None:
+            self._reallocate(-(-needed // self.block) * self.block)
+
     def _grow(self, needed: int) -> None:
         if needed <= self._capacity:
             return

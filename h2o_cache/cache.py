@@ -416,6 +416,14 @@ class H2OCache:
             for row in chose:
                 self.due[row] = 0
 
+    def expect(self, row: int, more: int) -> None:
+        """Row `row` will be fed `more` tokens more (the rest of a prompt): its archive, once it has one,
+        makes room for what they may evict, at most they and the row's own tokens resident now
+        (`Archive.expect`)."""
+        archive = self.archives[row]
+        if more > 0 and archive is not None:
+            archive.expect(more + self.lengths[row] - self.recalled[row])
+
     def new_archive(self) -> Archive:
         """An empty archive for a row: in 16 bits (an fp32 cache's in fp16), so that an archived token
         takes ~26 KB of host memory on the default model rather than ~63 KB in fp32 with the fp16

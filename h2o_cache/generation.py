@@ -127,6 +127,7 @@ class Generator:
             for b, piece in enumerate(pieces):
                 if piece:
                     last[b] = logits[b]
+                cache.expect(b, len(tokens[b]) - start - chunk)
         return last
 
     def step(self, cache: H2OCache, pieces: list[list[int]], ahead: list[bool] | None = None) -> torch.Tensor:

@@ -107,6 +107,7 @@ class ModelRunner:
         for seq, piece, result in zip(seqs, pieces, results):
             if not isinstance(result, Exception):
                 seq.prefilled += len(piece)
+                seq.cache.expect(0, len(seq.turn.prefill) - seq.prefilled)
         done = [i for i, seq in enumerate(seqs) if not isinstance(results[i], Exception) and seq.prefill_done]
         out: list[Sample | None | Exception] = [r if isinstance(r, Exception) else None for r in results]
         if done:

@@ -84,6 +84,21 @@ async def test_a_long_first_turn_recalls_what_its_own_beginning_evicted(make_eng
     assert_as_generate(engine, replies, states)
 
 
+async def test_a_long_turn_s_archive_makes_room_for_its_prompt_at_once(make_engine, monkeypatch):
+    """The runner tells a row's archive what the rest of its prompt may evict (`H2OCache.expect`): a long
+    turn's archive is allocated about once, not at every half again it grows, and holds what `generate`'s does."""
+    from h2o_cache.archive import Archive
+
+    grown = []
+    original = Archive._reallocate
+    monkeypatch.setattr(Archive, "_reallocate", lambda self, capacity: grown.append(capacity) or original(self, capacity))
+    engine = recall_engine(make_engine)
+    replies, states = await talk(engine, [" ".join(["a long first question about caches and budgets"] * 12)])
+    archived = states[0][0][2]
+    assert archived > 200 and len(grown) <= 2 and grown[-1] >= archived
+    assert_as_generate(engine, replies, states)
+
+
 def assert_as_generate(engine, replies, states) -> None:
     """`Generator.generate`, fed each turn's prompt tokens, gives the same replies and cache states."""
     generator = Generator(engine.generator.model, engine.tokenizer, engine.cache_config)

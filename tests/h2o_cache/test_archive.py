@@ -549,3 +549,36 @@ def test_a_lent_twin_given_back_leaves_its_lender_as_if_it_had_never_lent(native
     assert all(torch.equal(ours[name], theirs[name]) for name in (*FIELDS, "blocked"))
     assert torch.equal(select_blocks(lender, queries, 1.0, 2), select_blocks(never, queries, 1.0, 2))
     assert lender.version == never.version
+
+
+def test_expected_tokens_land_in_one_allocation_and_leave_the_contents_as_growing_would(monkeypatch):
+    """`expect` makes room for what is announced at once (up to the limit): appending it reallocates
+    nothing more, and the archive holds what one that grew piece by piece holds."""
+    grown, hinted = archive(limit=200), archive(limit=200)
+    pieces = [tokens(m, start, seed) for m, start, seed in [(5, 0, 1), (7, 5, 2), (30, 12, 3), (41, 42, 4)]]
+    grown.append(*pieces[0])
+    hinted.append(*pieces[0])
+    hinted.expect(78)
+    calls = []
+    original = Archive._reallocate
+    monkeypatch.setattr(Archive, "_reallocate", lambda self, capacity: calls.append(self) or original(self, capacity))
+    for piece in pieces[1:]:
+        grown.append(*piece)
+        hinted.append(*piece)
+    assert len(hinted) == len(grown) == 83
+    assert hinted not in calls and calls.count(grown) >= 2  # only the archive that was not told grew
+    for name in FIELDS:
+        assert torch.equal(hinted.state()[name], grown.state()[name])
+    assert hinted.storage()["lo"][:, :, :hinted.full_blocks].equal(grown.storage()["lo"][:, :, :grown.full_blocks])
+    capped = archive(limit=64)
+    capped.expect(1000)
+    assert capped._capacity == 64
+
+
+def test_a_lent_twin_told_to_expect_more_keeps_sharing_its_lender_s_storage():
+    a = archive(limit=200)
+    a.append(*tokens(12, 0))
+    twin = a.lend()
+    twin.expect(150)
+    assert twin._data is a._data
+    twin.give_back()

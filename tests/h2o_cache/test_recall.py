@@ -1115,3 +1115,28 @@ def test_a_new_prompt_empties_the_rows_sweep_and_its_replys_first_choice_ranks_e
     assert (state.counts == 0).all() and int(state.cursor) == 0
     gen.step(cache, [[7]])  # ranks every block, keeps them, moves the stripe on by 8
     assert (state.counts == candidates).all() and int(state.cursor) == 8
+
+
+def test_a_long_prompt_s_archive_is_allocated_about_once_and_holds_what_growing_would(peaked_model, monkeypatch):
+    """The prefill tells a row's archive what the rest of its prompt may evict (`Archive.expect`): the
+    archive is not reallocated at every half again it grows, and what it holds and the logits are
+    those of a prefill that let it grow."""
+    from h2o_cache.archive import Archive
+
+    prompt = random_tokens(220, seed=5)
+    gen = Generator(peaked_model, ByteTokenizer())
+    config = recall_config()
+    calls = []
+    original = Archive._reallocate
+    monkeypatch.setattr(Archive, "_reallocate", lambda self, capacity: calls.append(capacity) or original(self, capacity))
+    told = gen.new_cache(1, config)
+    told_logits = gen.prefill(told, [prompt], recall=True)
+    told_calls, calls[:] = list(calls), []
+    monkeypatch.setattr(Archive, "expect", lambda self, more: None)
+    grown = gen.new_cache(1, config)
+    grown_logits = gen.prefill(grown, [prompt], recall=True)
+    assert len(told_calls) <= 2 < len(calls)
+    assert torch.equal(told_logits, grown_logits)
+    for name, tensor in grown.archives[0].state().items():
+        assert torch.equal(told.archives[0].state()[name], tensor), name
+    assert torch.equal(told.buffers().keys, grown.buffers().keys)
