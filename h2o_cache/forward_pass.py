@@ -46,6 +46,7 @@ class Step:
     fed: torch.Tensor | None = None  # [2, rows given tokens]: those rows, and their last token's index (with recall)
     chosen: set[int] | None = None  # rows whose window this pass's chunk was given before it (with recall)
     turns: tuple[torch.Tensor, ...] | None = None  # `unrotation`'s, kept for the pass's other layers
+    body: list[bool] | None = None  # per row: its chunk is of a prompt's body (`begin`'s ahead), not its tail
 
 
 def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) -> Step:
@@ -73,7 +74,7 @@ def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) ->
                     if ahead is not None and ahead[row] and cache.ahead[row] is not None:
                         recall.choose(cache, row, cache.ahead[row], spec.scaling, per_layer=True)
                         chosen.add(row)
-                    count = len(range(n_new[row])[choosing(cache, n_new[row])])
+                    count = len(range(n_new[row])[choosing(cache, n_new[row], bool(ahead and ahead[row]))])
                     cache.ahead[row] = torch.empty(spec.num_layers, spec.num_heads, count, spec.head_dim,
                                                    device=spec.device)
         cache.choose_due([row for row in fed if n_new[row] == 1])
@@ -107,7 +108,7 @@ def begin(cache: H2OCache, n_new: list[int], ahead: list[bool] | None = None) ->
         kv_len=kv_len, mask=mask, hidden=None if mask is None else ~mask[..., masked_from:],
         masked_from=masked_from, query_valid=query_valid,
         fed=None if fed is None else upload([fed, [n_new[row] - 1 for row in fed]], device),
-        chosen=chosen,
+        chosen=chosen, body=None if ahead is None else list(ahead),
     )
 
 
@@ -179,10 +180,11 @@ def attend(cache: H2OCache, step: Step, layer: int, query: torch.Tensor, keys: t
     return out.view(b, h_q, c, d).transpose(1, 2)
 
 
-def choosing(cache: H2OCache, n: int) -> slice:
-    """Which of a chunk's n queries choose: `recall_queries` of them, evenly spaced, ending at the last
-    (a slice: indexing by a host list would upload it to a device)."""
-    most = cache.config.recall_queries
+def choosing(cache: H2OCache, n: int, body: bool) -> slice:
+    """Which of a chunk's n queries choose: of a prompt's body (`body`), `recall_queries` of them, evenly
+    spaced, ending at the last; of its tail (the question), all of them (a slice: indexing by a host
+    list would upload it to a device)."""
+    most = cache.config.recall_queries if body else None
     stride = 1 if most is None or n <= most else -(-n // most)
     return slice((n - 1) % stride, n, stride)
 
@@ -210,7 +212,7 @@ def _choose(cache: H2OCache, step: Step, layer: int, plain: torch.Tensor, scalin
     for row, n in enumerate(step.n_new):
         chooses = cache.recalled[row] and row not in step.chosen
         if n > 1 and (chooses or cache.ahead[row] is not None):
-            which = choosing(cache, n)
+            which = choosing(cache, n, bool(step.body and step.body[row]))
             if cache.ahead[row] is not None:
                 cache.ahead[row][layer] = plain[row, :, which]
             if chooses:

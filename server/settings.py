@@ -166,11 +166,11 @@ class ServerSettings(BaseSettings):
         None, description="make the due choices of the recall window (all but a reply's first) on the host while the "
                           "device runs the decode step, by the queries of the step before it (a window one step "
                           "older); unset: on a GPU, not on the CPU, whose step runs on the same cores")
-    recall_queries: int | None = Field(
-        None, ge=1, le=65536, description="most queries per head of a prefill chunk that choose its recall window, "
-                                          "evenly spaced; unset: all of them (16 of 64: prefill 1.35x recall-off "
-                                          "instead of 1.50x, single pass keys as found, 4 facts of one 4k prompt "
-                                          "15/40 instead of 19/40)")
+    recall_queries: int = Field(
+        32, ge=1, le=65536, description="most queries per head of a chunk of a prompt's body that choose its recall "
+                                        "window, evenly spaced, the chunk's last among them; the question's chunks "
+                                        "(the prompt's last --recall-probe tokens) choose by all of theirs; a number "
+                                        "as large as the chunk: all of them")
     recall_ahead: CliImplicitFlag[bool] = Field(
         False, description="a chunk of a prompt's body takes, before its pass, the window its previous chunk's queries "
                            "chose, all layers in one choice (one per chunk, not one per layer: a 2k prompt's prefill 1.23x "

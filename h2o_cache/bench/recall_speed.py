@@ -20,9 +20,10 @@ recall on vs off at the same budget.
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
   recall as configured by default (every chunk chooses layer by layer with all its queries; the
   windows grow; the passages a look at the reply points at are fed again before the last
-  `recall_probe` tokens, `h2o_cache.reread`, the look on a 1-row fast step as in the server), the same
-  with no re-read, then with chunks choosing by 16 of their queries per head (`recall_queries=16`),
-  with that and `recall_ahead` (a body chunk takes the window its previous chunk chose, all layers in
+  `recall_probe` tokens, `h2o_cache.reread`, the look on a 1-row fast step as in the server; a chunk
+  of the body chooses by 32 of its queries per head, `recall_queries`, the question's by all), the same
+  with no re-read, with the body's chunks choosing by all their queries (`recall_queries=None`), with no
+  re-read and `recall_ahead` (a body chunk takes the window its previous chunk chose, all layers in
   one choice), and without recall, interleaved.
 Also printed: the host bytes one archived token takes, and what the archive holds.
 """
@@ -335,12 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         prefills = {"off": replace(configs["off"], prefill_chunk=chunk),
                     "on": CacheConfig(budget=args.budget, recall_budget=args.recall, prefill_chunk=chunk)}
         prefills["no re-read"] = replace(prefills["on"], recall_reread=0)
-        prefills["16 queries"] = replace(prefills["no re-read"], recall_queries=16)
-        prefills["ahead"] = replace(prefills["no re-read"], recall_queries=16, recall_ahead=True)
-        labels = [("on", f", re-reading {prefills['on'].recall_reread} tokens (the default)"),
+        prefills["all queries"] = replace(prefills["on"], recall_queries=None)
+        prefills["ahead"] = replace(prefills["no re-read"], recall_ahead=True)
+        labels = [("on", f", re-reading {prefills['on'].recall_reread} tokens, body chunks choosing by "
+                         f"{prefills['on'].recall_queries} queries per head (the defaults)"),
                   ("no re-read", ", no re-read (recall_reread=0)"),
-                  ("16 queries", ", no re-read, chunks choosing by 16 queries per head (recall_queries)"),
-                  ("ahead", ", no re-read, 16 queries, body chunks given their previous chunk's choice (recall_ahead)")]
+                  ("all queries", ", re-reading, body chunks choosing by all their queries (recall_queries=None)"),
+                  ("ahead", ", no re-read, body chunks given their previous chunk's choice (recall_ahead)")]
         if args.ranks:
             prefills["ranks"] = replace(prefills["on"], recall_positions="rank")
             labels.append(("ranks", ", re-reading, held keys read at their ranks (recall_positions='rank')"))

@@ -45,10 +45,10 @@ def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path,
     assert [row.split(" |")[0] for row in rows] == [
         "| decode step, batch 1, on, every 1", "| decode step, batch 1, on, every 3",
         "| decode step, batch 2, on, every 1 (a row every 2)", "| decode step, batch 2, on, every 3 (a row every 6)",
-        "| prefill of a 100-token prompt in chunks of 16, re-reading 96 tokens (the default)",
+        "| prefill of a 100-token prompt in chunks of 16, re-reading 96 tokens, body chunks choosing by 32 queries per head (the defaults)",
         "| prefill of a 100-token prompt in chunks of 16, no re-read (recall_reread=0)",
-        "| prefill of a 100-token prompt in chunks of 16, no re-read, chunks choosing by 16 queries per head (recall_queries)",
-        "| prefill of a 100-token prompt in chunks of 16, no re-read, 16 queries, body chunks given their previous chunk's choice (recall_ahead)"]
+        "| prefill of a 100-token prompt in chunks of 16, re-reading, body chunks choosing by all their queries (recall_queries=None)",
+        "| prefill of a 100-token prompt in chunks of 16, no re-read, body chunks given their previous chunk's choice (recall_ahead)"]
     assert all(row.endswith(("| met |", "| MISSED |")) for row in rows)
     for row in rows:  # the median ratio, then its bootstrap interval over the repetitions, which holds it
         cells = [cell.strip() for cell in row.strip("|").split("|")]
@@ -135,7 +135,7 @@ def test_recall_speed_times_the_prefill_alone_with_no_decode_repetitions_and_ref
                        "--turn", "8", "--reps", "0", "--prompt", "40", "--prefill-reps", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert not any(row.startswith("| decode step") for row in rows)
-    assert sum(row.startswith("| prefill of a 40-token prompt") for row in rows) == 4  # re-reading (the default), none, 16 queries, ahead
+    assert sum(row.startswith("| prefill of a 40-token prompt") for row in rows) == 4  # the defaults, no re-read, all queries, ahead
     with pytest.raises(SystemExit):
         recall_speed.main(["--model", str(tmp_path), "--reps", "0", "--prefill-reps", "0"])
     assert "one of them must be at least 1" in capsys.readouterr().err

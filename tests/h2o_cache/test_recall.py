@@ -804,7 +804,8 @@ def test_the_native_step_reads_an_exact_fp16_copy_of_every_window(gguf_model, mo
 def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_chooses_its_own(peaked_model, monkeypatch, ahead):
     """With `recall_ahead`, a chunk of the prompt's body is given, before its pass, the window the
     previous chunk's choosing queries point at, in one choice over all layers; the question's tail
-    chooses layer by layer with its own queries, as every chunk does without it."""
+    chooses layer by layer with its own queries, as every chunk does without it. A body chunk chooses by
+    `recall_queries` of its queries, the tail by all of its."""
     config = recall_config(recall_ahead=ahead, recall_queries=3)
     gen = Generator(peaked_model, ByteTokenizer(), config)
     layers = peaked_model.config.num_hidden_layers
@@ -832,9 +833,11 @@ def test_a_body_chunk_takes_the_window_its_previous_chunk_chose_and_the_tail_cho
         if not ahead:
             assert queries is None  # nothing kept for a choice ahead that never comes
             continue
-        # the choosing queries: 3 of each chunk's, evenly spaced, the last token's among them
-        assert queries.shape[2] == 3 and torch.equal(queries[:, :, -1], cache._queries[:, 0]) == (i == len(stored) - 1)
-    assert all(queries.shape[2] == 3 for pass_calls in calls for _, queries, _ in pass_calls)
+        # the choosing queries: 3 of each body chunk's, evenly spaced, the last token's among them; all the tail's
+        assert queries.shape[2] == (3 if i < len(stored) - 1 else 6)
+        assert torch.equal(queries[:, :, -1], cache._queries[:, 0]) == (i == len(stored) - 1)
+    assert all(queries.shape[2] == (3 if i < len(calls) - tail else 6)
+               for i, pass_calls in enumerate(calls) for _, queries, _ in pass_calls)
     chose = [i for i, pass_calls in enumerate(calls) if pass_calls]
     assert chose and chose[-1] == len(calls) - 1  # windows open during the body; the tail chooses
     for i in chose:

@@ -59,9 +59,10 @@ def test_recall_flags_reach_the_cache_config_and_recall_is_on_by_default_where_i
     s = parse("--recall-budget", "64", "--recall-block", "8", "--recall-archive", "4096", "--recall-probe", "32")
     config = s.cache_config()
     assert (config.recall_budget, config.recall_block, config.recall_archive, config.recall_probe) == (64, 8, 4096, 32)
-    assert (parse().cache_config().recall_queries, parse().cache_config().recall_ahead) == (None, False)
-    config = parse("--recall-queries", "16", "--recall-ahead").cache_config()
-    assert (config.recall_queries, config.recall_ahead) == (16, True)
+    assert (parse().cache_config().recall_queries, parse().cache_config().recall_ahead) == (32, False)
+    assert CacheConfig().recall_queries == 32  # the library's default is the server's
+    config = parse("--recall-queries", "64", "--recall-ahead").cache_config()
+    assert (config.recall_queries, config.recall_ahead) == (64, True)
     assert parse("--recall-voters", "3").cache_config().recall_voters == 3
     # the question alone probes where a blank line sets it apart only when asked, in the server and the library
     assert parse("--recall-probe-break").cache_config().recall_probe_break and not parse().cache_config().recall_probe_break
