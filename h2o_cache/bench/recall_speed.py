@@ -18,7 +18,7 @@ recall on vs off at the same budget.
   medians of plain steps, of steps before which rows chose, and of steps after which rows were
   evicted: where the cost sits (a choosing step of 8 rows pays 8 choices at once).
 - prefill: one `--prompt`-token prompt from an empty cache in chunks of budget / 2 (the server's), with
-  recall as configured by default (every chunk chooses layer by layer with all its queries; the
+  recall as configured by default (every chunk chooses layer by layer by its own queries; the
   windows grow; the passages a look at the reply points at are fed again before the last
   `recall_probe` tokens, `h2o_cache.reread`, the look on a 1-row fast step as in the server; a chunk
   of the body chooses by 32 of its queries per head, `recall_queries`, the question's by all), the same
