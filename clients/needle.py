@@ -246,7 +246,10 @@ def run(url: str, words: list[str], lengths: list[int], depths: list[float], key
                     else:
                         reply, tokens = converse(client, url, form, text, later_turns(words, index, turns), max_tokens,
                                                  key)
-                    hits += FORMS[form].found(key, reply)
+                    found = FORMS[form].found(key, reply)
+                    hits += found
+                    if not found:  # what a miss said, to tell a lost fact from a derailed reply
+                        print(f"  miss: key {index} ({key}): {reply[:160]!r}", file=sys.stderr, flush=True)
                 out[(length, depth)] = (hits / len(keys), tokens)
                 print(f"{url} {length} words, depth {depth:.0%}: {hits}/{len(keys)}", file=sys.stderr, flush=True)
     return out

@@ -194,3 +194,29 @@ def test_the_table_names_the_filler_of_the_code_form(fake_server, tmp_path):
                      "--depths", "0.5", "--keys", "1")
     assert run.returncode == 0, run.stderr
     assert "A 6-digit code stated once in novel.txt in one message" in run.stdout
+
+
+def test_each_miss_is_printed_with_its_key_and_what_the_reply_said():
+    """A miss is worth reading (a lost fact reads differently from a derailed reply): stderr names each
+    missed key and the reply's start; found keys print no miss."""
+    import re
+
+    from tests.clients.conftest import run_client, serve
+    from tests.clients.fake_server import make_app
+
+    def answer(content: str) -> list[str]:
+        code = re.search(r"code for the north gate is (\d+)", content).group(1)
+        return [code] if int(code) % 2 else ["I", "am", "here", "to", "help"]
+
+    server, url = serve(make_app(answer=answer))
+    try:
+        run = run_client("needle", "--base-url", url, "--form", "code", "--words", "80", "--depths", "0.5",
+                         "--keys", "6")
+        assert run.returncode == 0, run.stderr
+        misses = re.findall(r"miss: key (\d+) \((\d+)\): '(.*)'", run.stderr)
+        assert misses and all(int(code) % 2 == 0 for _, code, _ in misses)
+        assert all(said.startswith("I am here to help") for _, _, said in misses)
+        hits = 6 - len(misses)
+        assert f"depth 50%: {hits}/6" in run.stderr
+    finally:
+        server.should_exit = True
