@@ -104,8 +104,12 @@ class CacheConfig:
     recall_reread: most tokens of a turn's own text that a turn whose body overflows the budget feeds
         again before its tail (`h2o_cache.reread`): the passages its reply's first steps point at, found
         by a greedy look on a copy of the row (0: off; with recall only).
-    recall_reread_look: decode steps of that look (>= 2: the first step's choice is what the others are
+    recall_reread_look: decode steps of that look (>= 2: the first step is what the others are
         measured against).
+    recall_reread_dense: most tokens of the row (its newest, its own slots and its archive) that the
+        look attends to at once, each at its place in the text, as a full cache would (a transient
+        1-row cache of that many tokens); 0: the look reads through the recall window, as a decode
+        step does. Either way no more than the model's positions.
     recall_rank_steps: with "rank", a reply's first decode passes (after each prefill) that read the
         held keys at their ranks, after which its passes read the text layout until the next prompt;
         every prefill pass reads ranks (None: every pass). A reply's answer about a long prompt is
@@ -181,6 +185,7 @@ class CacheConfig:
     recall_rank_steps: int | None = 32
     recall_reread: int = 96
     recall_reread_look: int = 16
+    recall_reread_dense: int = 8192
 
     def voter_layers(self, layers: int) -> list[int] | None:
         """The layers of a model of `layers` whose attention votes in the choices after a reply's burst:
@@ -233,6 +238,8 @@ class CacheConfig:
                 raise ValueError(f"recall_reread must be >= 0, got {self.recall_reread}")
             if self.recall_reread_look < 2:
                 raise ValueError(f"recall_reread_look must be >= 2 (its first step is the baseline), got {self.recall_reread_look}")
+            if self.recall_reread_dense < 0:
+                raise ValueError(f"recall_reread_dense must be >= 0, got {self.recall_reread_dense}")
         if self.recall_budget < 0:
             raise ValueError(f"recall_budget must be >= 0, got {self.recall_budget}")
         if not policy.evicts:

@@ -27,6 +27,16 @@ class Completion:
     logprobs: list[Sample] = field(default_factory=list)
 
 
+def common_end(a: list[int], b: list[int]) -> list[int]:
+    """The tokens two chats that differ only in one message's text end with alike: where they are
+    rendered with the generation prompt, what a template puts after that message ([] where one of them
+    ends with its text)."""
+    common = 0
+    while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
+        common += 1
+    return a[len(a) - common:] if common < min(len(a), len(b)) else []
+
+
 class Generator:
     """Drives a Llama-family model with budgeted caches.
 
@@ -35,7 +45,9 @@ class Generator:
     conversation exactly as if the whole text had been fed at once.
     """
 
-    def __init__(self, model, tokenizer, config: CacheConfig | None = None):
+    def __init__(self, model, tokenizer, config: CacheConfig | None = None, turn_end: list[int] | None = None):
+        """turn_end: what a chat template puts after a user's message when the reply follows (`turn_end`);
+        by default found from the tokenizer's chat template."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or CacheConfig()
@@ -45,6 +57,7 @@ class Generator:
         self._byte_table: list[bytes] | None = None  # computed on first use: [] when the tokenizer has none
         self._breaks: tuple | None = None  # `line_breaks`, computed on first use
         self._separator: list[int] | None = None  # a blank line's tokens, between re-read passages
+        self._turn_end = turn_end  # `turn_end`; None: computed on first use
         # a `StaticDecoder` of one row and this config (the fast step) for re-reads' looks; None: `step`
         self.looker = None
 
@@ -65,6 +78,25 @@ class Generator:
         if self._breaks is None:
             self._breaks = line_breaks(self.tokenizer, self._bytes())
         return probe_start(tokens, config.recall_probe, self._breaks)
+
+    def turn_end(self) -> list[int]:
+        """The tokens the chat template puts after a user's message when the reply follows it (the end of
+        the user's turn and the assistant's header; `common_end` of two one-message chats), as given to
+        the constructor or found from the tokenizer's template; [] where it has none."""
+        if self._turn_end is None:
+            try:
+                a, b = (self.encode_chat([{"role": "user", "content": text}]) for text in ("a", "b"))
+            except Exception:  # no chat template: nothing is known of a turn's end
+                a = b = []
+            self._turn_end = common_end(a, b)
+        return self._turn_end
+
+    def reread_at(self, tail: list[int]) -> int:
+        """Where in a turn's `tail` its re-read goes (`h2o_cache.reread`, step 3): before the chat
+        template's end of the user's turn, after the question, where the tail ends with it; else 0,
+        before the tail."""
+        end = self.turn_end()
+        return len(tail) - len(end) if end and len(tail) > len(end) and tail[-len(end):] == end else 0
 
     def new_cache(self, rows: int = 0, config: CacheConfig | None = None) -> H2OCache:
         return H2OCache(self.spec, config or self.config, rows)
@@ -102,12 +134,15 @@ class Generator:
             tokens = [t[at:] for t, at in zip(tokens, starts)]
             again = [self.reread(cache, row, [*b, *head], first, tail, self.looker)
                      for row, (b, head, first, tail) in enumerate(zip(before, heads, firsts, tokens))]
-            if any(again):
-                self._prefill(cache, again, ahead=True)
+            inside = [self.reread_at(tail) if passages else 0 for tail, passages in zip(tokens, again)]
+            if any(passages and not at for passages, at in zip(again, inside)):  # before the tail, as the body
+                self._prefill(cache, [[] if at else passages for passages, at in zip(again, inside)], ahead=True)
+            tokens = [[*tail[:at], *passages, *tail[at:]] if at else tail
+                      for tail, passages, at in zip(tokens, again, inside)]
         return torch.stack(self._prefill(cache, tokens))
 
     def reread(self, cache: H2OCache, row: int, body, first: int, tail: list[int], decoder=None) -> list[int]:
-        """What row `row` is fed again before `tail` (`h2o_cache.reread`), its turn's `body` (the tokens
+        """What row `row` is fed again with `tail` (`h2o_cache.reread`, `reread_at`), its turn's `body` (the tokens
         it was fed from position `first` on) just fed; [] where the turn is not re-read. decoder: a
         `StaticDecoder` with no rows for the look's steps (else `step`; `looker` in `prefill`)."""
         if not reread.due(cache, len(body)):

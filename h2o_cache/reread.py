@@ -1,42 +1,58 @@
-"""Re-reading: the passages a reply will answer from, fed again just before the question.
+"""Re-reading: the passages a reply will answer from, fed again right after the question.
 
 A fact said once in a long prompt can be brought back into the recall window (`h2o_cache.recall`) and
 still not be read: the window is per layer and head and swings with every query, and a small model
 reads a phrase recalled into a few heads' windows, at a step chosen by the step before, far worse than
-the same phrase said again right before the question (RESULTS.md, "Re-reading"). So, after a turn's
-body is fed and before its tail (the probe, where the question usually is):
+the same phrase said again next to the question (RESULTS.md, "Re-reading"). So, after a turn's body is
+fed and before its tail (the probe, where the question usually is):
 
-1. On a copy of the row (`H2OCache.copy`), the tail is fed and the reply's first `recall_reread_look`
-   tokens are decoded greedily. Each of those steps chooses its window by its own queries, and the
-   reply's opening ("The access code for the north gate is") points at the fact as the question alone
-   does not. Each position of the turn's text gains, at each step of the look after its first, the
-   number of windows (layers x KV heads) that hold it, less the most that held it when the tail alone
-   had chosen or at the look's first step. What every query keeps (the first tokens) cancels, and so
-   do the blocks a decode step's choice holds before the reply has said anything: a decode step
-   chooses by other means than a prompt's chunk, and the blocks it favours whatever it is asked took
-   the excerpt's room from all but the first of several facts one reply names (RESULTS.md, "Re-reading").
+1. A look: the tail is fed and the reply's first `recall_reread_look` tokens are decoded greedily on
+   a transient 1-row cache that holds every token of the row, up to `recall_reread_dense` of the
+   newest (its own slots and its archive, in the order of the text, each at its place: `dense_row`),
+   and evicts nothing. The reply's opening ("The access code for the north gate is") points at the
+   fact as the question alone does not, and the look attends to the fact itself, not to what a
+   128-token window holds of it. Each position that the row holds only in its archive (for a layer
+   and KV head) gains, at each step of the look after its first, the attention it draws there beyond
+   twice what it drew at the look's first step, summed over layers and heads; positions below a
+   fifth of the best gain are dropped. What every step attends to (the first tokens, the question)
+   cancels or is resident anyway. With `recall_reread_dense` 0 the look runs on a copy of the row
+   itself (`H2OCache.copy`), each step choosing its window by its own queries, and a position gains
+   the windows that hold it beyond the most that held it after the tail alone or at the first step.
 2. The positions that gained most, each widened to `SPAN_BEFORE` tokens before and `SPAN_AFTER` after
    it, merged where they touch, up to `recall_reread` tokens, are the excerpt: their tokens in the
    order of the text, a separator (a blank line) before and after each passage.
-3. The row itself, which the look left as it was, is then fed the excerpt as part of the body, and then
-   the tail: the question follows the passages it is about.
+3. The row itself, which the look left as it was, is then fed the tail with the excerpt inside it
+   (`Generator.prefill`): after the question and before the chat template's end of the user's turn
+   where the tail ends with it, else before the tail. Measured (RESULTS.md, "A look that reads every
+   token"): before the question, a document that ends in a list of headline questions led the reply
+   away from the fact the excerpt held ("I'm here to help you with your questions").
 
 The excerpt is fed like any text (it is scored, evicted and archived as the prompt is) and changes the
 tokens the cache has seen: a server keeps it in the row's token ids, so positions still name tokens.
-It costs the tail once more, `recall_reread_look` decode steps on the copy and the excerpt's prefill,
-and runs only for a turn whose body is longer than the budget (only then was any of it evicted).
+It costs the tail once more, `recall_reread_look` decode steps over up to `recall_reread_dense`
+tokens, and the excerpt's prefill, and runs only for a turn whose body is longer than the budget
+(only then was any of it evicted).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
 from h2o_cache.cache import H2OCache
+from h2o_cache.config import CacheConfig
+from h2o_cache.rope import rotate_into
 
 SPAN_BEFORE = 8  # tokens of the text before a chosen position that its passage starts with
 SPAN_AFTER = 16  # tokens after it (a fact usually follows the words that point at it: "... is 482913")
+# A dense look's position gains from the attention a step gives it beyond FIRST_TIMES the first
+# step's, and keeps the positions of at least KEEP_SHARE of the best gain: the first token draws much
+# of every step's attention and its swings from step to step are below twice its first step's, and
+# the passages of a fifth of the best are still about the fact (RESULTS.md, "A look that reads every token").
+FIRST_TIMES = 2.0
+KEEP_SHARE = 0.2
 
 
 def due(cache: H2OCache, body: int) -> bool:
@@ -56,11 +72,16 @@ def held_counts(cache: H2OCache, start: int, end: int) -> torch.Tensor:
 
 def gains(generator, cache: H2OCache, row: int, tail: list[int], start: int, end: int, look: int,
           decoder=None) -> torch.Tensor:
-    """[end - start] int64: per position of the text in [start, end), the windows that hold it over
-    steps 2..`look` of a greedy look after `tail`, beyond the most that held it after the tail alone or
-    after the look's first step (step 1 of the module's account). Runs on a copy of `row` whose archive
-    borrows the row's storage (`Archive.lend`); `cache` is left as it was. decoder: a `StaticDecoder`
-    with no rows, to take the look's steps (the fast step) instead of `generator.step`."""
+    """[end - start]: per position of the text in [start, end), what the look gains it (step 1 of the
+    module's account): the dense look's attention where `recall_reread_dense` allows one (fp64), else the
+    windows of a look on a copy of `row` whose archive borrows the row's storage (`Archive.lend`; int64).
+    `cache` is left as it was. decoder: a `StaticDecoder` with no rows, to take the windowed look's
+    steps (the fast step) instead of `generator.step`; a dense look takes its steps on a decoder of its
+    own that reads the same packed matrices (`StaticDecoder(share=...)`)."""
+    room = len(tail) + look + 1
+    limit = min(cache.config.recall_reread_dense, _positions(generator)) - room
+    if cache.config.recall_reread_dense > 0 and limit > 0:
+        return _dense_look(generator, cache, row, tail, start, end, look, limit, decoder)
     twin = cache.copy(row, lend=True)
     lent = twin.archives[0]
     try:
@@ -70,8 +91,103 @@ def gains(generator, cache: H2OCache, row: int, tail: list[int], start: int, end
             lent.give_back()
 
 
+def _positions(generator) -> int:
+    """The positions the model was trained on (no bound where its config names none)."""
+    return getattr(generator.model.config, "max_position_embeddings", None) or (1 << 62)
+
+
+@torch.no_grad()
+def dense_row(cache: H2OCache, row: int, limit: int, room: int) -> tuple[H2OCache, torch.Tensor, torch.Tensor]:
+    """Row `row`'s newest `limit` tokens per layer and KV head, its own slots and its archive (not the
+    window's copies of archived ones), as a 1-row cache of the same model that evicts nothing before
+    `room` more tokens: in the order of the text, token i at slot and position i (the cache's own
+    rolling, so a prompt shorter than the model's positions is read where it stood). Returns the
+    cache, the origins [L, H_kv, n] of its slots and which of them the row holds only in its archive
+    (bool, the same shape). It takes n + room tokens of the cache's layout, for as long as it is held."""
+    buffers = cache.buffers()
+    r, n = cache.recalled[row], cache.lengths[row]
+    keys, values = buffers.keys[:, row, :, r:n], buffers.values[:, row, :, r:n]
+    origins = buffers.origins[:, row, :, r:n]
+    archived = torch.zeros(origins.shape, dtype=torch.bool, device=origins.device)
+    archive = cache.archives[row]
+    if archive is not None and len(archive):
+        stored, m = archive.storage(), len(archive)
+        device = keys.device
+        keys = torch.cat([keys, stored["keys"][:, :, :m].to(device, keys.dtype)], 2)
+        values = torch.cat([values, stored["values"][:, :, :m].to(device, values.dtype)], 2)
+        origins = torch.cat([origins, stored["origins"][:, :, :m].to(device)], 2)
+        archived = torch.cat([archived, torch.ones(*archived.shape[:2], m, dtype=torch.bool, device=device)], 2)
+    newest = min(limit, origins.shape[2])
+    order = origins.topk(newest, dim=-1).indices.flip(-1)  # the newest, oldest first
+    origins, archived = origins.gather(2, order), archived.gather(2, order)
+    keys = keys.gather(2, order[..., None].expand(*order.shape, keys.shape[-1]))
+    values = values.gather(2, order[..., None].expand(*order.shape, values.shape[-1]))
+    config = dense_config(cache.config, newest + room)
+    dense = H2OCache(cache.spec, config, 1)
+    dense.reserve(1, newest + room)
+    into = dense.buffers()
+    into.keys[:, 0, :, :newest] = keys
+    into.values[:, 0, :, :newest] = values
+    into.origins[:, 0, :, :newest] = origins
+    into.scores[:, 0].zero_()
+    cos, sin = cache.spec.rope.get(newest)
+    rotate_into(into.rotated[:, 0, :, :newest], into.keys[:, 0, :, :newest], cos, sin)
+    dense.lengths, dense.seen = [newest], [cache.seen[row]]
+    return dense, origins, archived
+
+
+def dense_config(config: CacheConfig, budget: int) -> CacheConfig:
+    """A `dense_row`'s config: `config`'s policy and rolling at `budget` tokens, no recall."""
+    return replace(config, budget=budget, recall_budget=0, evict_slack=None)
+
+
+def _dense_look(generator, cache: H2OCache, row: int, tail: list[int], start: int, end: int, look: int,
+                limit: int, decoder=None) -> torch.Tensor:
+    """`gains` by the attention of a look on `dense_row` (step 1 of the module's account), fp64. decoder:
+    a `StaticDecoder` whose packed matrices the look's fast steps read (else `generator.step`)."""
+    dense, origins, archived = dense_row(cache, row, limit, len(tail) + look + 1)
+    n = origins.shape[2]
+    logits = generator._prefill(dense, [tail])[0]
+    if decoder is not None:  # the steps on the fast path: ~5x faster than the transformers path's at 4k
+        from h2o_cache.quantized import EXACT
+        from h2o_cache.static import StaticDecoder
+
+        exact = decoder.native is not None and decoder.native.activations == EXACT
+        # one look of a size of its own: no CUDA graph worth capturing
+        fast = StaticDecoder(generator.model, dense.config, 1, cuda_graphs=False, exact=exact, share=decoder)
+        fast.cache.extend(dense, move=True)
+        dense = fast.cache
+
+        def step(token: int) -> torch.Tensor:
+            dense.pending[0] = [token]
+            return fast.step()[0]
+    else:
+        def step(token: int) -> torch.Tensor:
+            return generator.step(dense, [[token]])[0]
+    before = dense.buffers().scores[:, 0, :, :n].clone()  # [L, H_kv, n] fp32: attention summed so far
+    first = total = None
+    for _ in range(look):
+        token = int(logits.argmax())
+        if token in generator.eos_token_ids:
+            break
+        logits = step(token)
+        now = dense.buffers().scores[:, 0, :, :n].clone()
+        drawn, before = now - before, now  # this step's attention, per slot and head
+        if first is None:
+            first, total = drawn, torch.zeros_like(drawn)
+        else:
+            total += (drawn - FIRST_TIMES * first).clamp_(min=0)
+    out = torch.zeros(end - start, dtype=torch.float64)
+    if total is None:
+        return out
+    inside = archived & (origins >= start) & (origins < end)
+    out.index_add_(0, (origins[inside] - start).cpu(), total[inside].double().cpu())
+    out[out < KEEP_SHARE * out.max()] = 0
+    return out
+
+
 def _look(generator, twin: H2OCache, tail: list[int], start: int, end: int, look: int, decoder) -> torch.Tensor:
-    """`gains` on the row's copy `twin`."""
+    """`gains` through the windows of the row's copy `twin`."""
     logits = generator._prefill(twin, [tail])[0]
     base = held_counts(twin, start, end)
     total = torch.zeros_like(base)

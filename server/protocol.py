@@ -138,7 +138,7 @@ class UsageInfo(BaseModel):
     # Server extras: how much of the conversation the session's fixed-budget cache still holds.
     kv_resident_tokens: int
     conversation_tokens: int
-    reread_tokens: int = 0  # tokens of the prompt fed again before its question (`h2o_cache.reread`)
+    reread_tokens: int = 0  # tokens of the prompt fed again after its question (`h2o_cache.reread`)
 
     @classmethod
     def of(cls, usage: Usage) -> UsageInfo:

@@ -122,14 +122,19 @@ class ServerSettings(BaseSettings):
                            "that a question set apart from a pasted document probes alone (finds more codes said "
                            "once, fewer names and listed secrets)")
     recall_reread: int = Field(
-        96, ge=0, le=65536, description="most tokens of a long prompt fed again right before its question: the "
-                                        "passages a greedy look at the reply's first --recall-reread-look tokens "
-                                        "(on a copy of the conversation) points at, so that a fact said once is "
-                                        "read next to the question; only for a turn longer than --kv-budget "
-                                        "(0: off)")
+        96, ge=0, le=65536, description="most tokens of a long prompt fed again right after its question (before "
+                                        "the template's end of the user's turn): the passages a greedy look at the "
+                                        "reply's first --recall-reread-look tokens over the whole conversation "
+                                        "(--recall-reread-dense) attends to, so that a fact said once is read next "
+                                        "to the question; only for a turn longer than --kv-budget (0: off)")
     recall_reread_look: int = Field(
         16, ge=2, le=4096, description="decode steps of a re-read's look (--recall-reread); its first step is what "
                                        "the others are measured against")
+    recall_reread_dense: int = Field(
+        8192, ge=0, le=1 << 20, description="most tokens of a conversation (the newest) that a re-read's look attends "
+                                            "to at once, each at its place in the text, in a transient cache of its "
+                                            "own (host memory on the CPU: ~70 KB a token on the default model); 0: "
+                                            "the look reads through the recall window as a reply does")
     recall_burst: int = Field(
         16, ge=0, le=65536, description="decode steps at the start of each reply that all choose the recall window "
                                         "by their queries (where an answer about the prompt starts)")
@@ -252,7 +257,7 @@ class ServerSettings(BaseSettings):
                            recall_queries=self.recall_queries, recall_ahead=self.recall_ahead, recall_choices=choices,
                            recall_overlap=self.recall_overlap, recall_margin=self.recall_margin,
                            recall_sweep=self.recall_sweep, recall_reread=self.recall_reread,
-                           recall_reread_look=self.recall_reread_look)
+                           recall_reread_look=self.recall_reread_look, recall_reread_dense=self.recall_reread_dense)
 
     def engine_config(self, context_window: int | None) -> EngineConfig:
         """context_window: the model's max_position_embeddings, the limit of the `full` policy."""

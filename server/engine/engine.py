@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 from h2o_cache import CacheConfig, Generator
+from h2o_cache.generation import common_end
 from h2o_cache.snapshot import cache_identity, model_fingerprint
 from server.engine.batcher import Batcher
 from server.engine.conversation import ChatTemplate
@@ -41,7 +42,10 @@ class Engine:
         self.config = config
         self.template = ChatTemplate.of(tokenizer) if render is None else \
             ChatTemplate(lambda messages, add_generation_prompt, tools: render(messages, add_generation_prompt), False)
-        self.generator = Generator(model, tokenizer, cache_config)
+        # the end of a user's turn in this template: a re-read goes before it, after the question
+        ends = [tokenizer.encode(self.template.render([{"role": "user", "content": text}], None, True),
+                                 add_special_tokens=False) for text in ("a", "b")]
+        self.generator = Generator(model, tokenizer, cache_config, turn_end=common_end(*ends))
         self.generator.stream_decoder()  # builds the byte table now, not in the first request's time to first token
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.grammars = Grammars(tokenizer, self.vocab_size)

@@ -60,18 +60,17 @@ class ModelRunner:
 
     def reread(self, seq: Sequence) -> None:
         """Feed a sequence whose body is in the passages of its turn its reply will answer from again,
-        before its tail (`h2o_cache.reread`), where the body overflows the budget. A re-read that fails
-        is logged and skipped: the turn goes on without it."""
+        inside its tail after the question (`h2o_cache.reread`, `Generator.reread_at`), where the body
+        overflows the budget. A re-read that fails is logged and skipped: the turn goes on without it."""
         seq.reread_checked = True
-        body = seq.turn.prefill[:seq.tail_at]
+        body, tail = seq.turn.prefill[:seq.tail_at], seq.turn.prefill[seq.tail_at:]
         try:
-            tokens = self.generator.reread(seq.cache, 0, body, len(seq.history), seq.turn.prefill[seq.tail_at:],
-                                           self.looker())
+            tokens = self.generator.reread(seq.cache, 0, body, len(seq.history), tail, self.looker())
         except Exception:
             log.exception("re-read failed for request %s; the turn goes on without it", seq.request_id)
             return
         if tokens:
-            seq.insert(tokens)
+            seq.insert(tokens, self.generator.reread_at(tail))
 
     @property
     def fast(self) -> bool:

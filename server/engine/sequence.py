@@ -39,9 +39,9 @@ class Sequence:
     that their queries alone choose the recall window the reply starts with, as
     `Generator.prefill(recall=True)` does: `tail_at` is where they start in `turn.prefill`. Once the body
     is in, a turn whose body overflows the budget has the passages its reply will answer from fed again
-    before the tail (`h2o_cache.reread`, `insert`): they are then part of `turn.prefill`, and `reread`
-    counts them. `recalled` counts the tokens per layer/KV head copied into the window during the turn
-    (set when it finishes).
+    inside the tail, after the question (`h2o_cache.reread`, `insert`): they are then part of
+    `turn.prefill`, and `reread` counts them. `recalled` counts the tokens per layer/KV head copied into
+    the window during the turn (set when it finishes).
 
     When the request offers tools, the reply streams up to its first `<tool_call>` and the rest is
     held (`holdback`) until `conclude` tells calls from text.
@@ -85,11 +85,13 @@ class Sequence:
         """Whether the turn's body is in and its re-read not yet considered."""
         return self.tail_at is not None and not self.reread_checked and self.prefilled == self.tail_at
 
-    def insert(self, tokens: list[int]) -> None:
-        """Feed `tokens` (a re-read) next, as part of the body, before the tail."""
-        at = self.tail_at
+    def insert(self, tokens: list[int], inside: int = 0) -> None:
+        """Feed `tokens` (a re-read) as part of the turn: `inside` tokens into its tail
+        (`Generator.reread_at`: after the question), or with 0 next, as part of the body, before the tail."""
+        at = self.tail_at + inside
         self.turn.prefill = [*self.turn.prefill[:at], *tokens, *self.turn.prefill[at:]]
-        self.tail_at = at + len(tokens)
+        if not inside:
+            self.tail_at = at + len(tokens)
         self.reread += len(tokens)
 
     def next_chunk(self, size: int) -> list[int]:

@@ -16,7 +16,7 @@ class Session:
     prompt of the last turn followed by the decoded reply tokens; `token_ids` are those tokens, so the
     token at position p (a cache origin) is token_ids[p]. An int32 array: 4 bytes a token, about what
     the text itself takes. `reread` counts the tokens among them that the text does not hold: passages
-    fed again before a question (`h2o_cache.reread`), left out of the prompt's token counts. A new turn
+    fed again after a question (`h2o_cache.reread`), left out of the prompt's token counts. A new turn
     reuses the cache only
     when the newly rendered conversation starts with this text (see `turn.plan_turn`).
 

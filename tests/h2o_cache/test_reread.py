@@ -1,6 +1,7 @@
-"""Re-reading (`h2o_cache.reread`): a long turn's body is followed by the passages its reply's first
-steps point at, found on a copy of the row that leaves the row as it was; the spans are the best
-positions widened and merged up to the limit; only a body that overflows the budget is re-read."""
+"""Re-reading (`h2o_cache.reread`): a long turn's question is followed by the passages its reply's first
+steps point at, found by a look that attends to every token of the row (or through the windows of a copy
+of it) and leaves the row as it was; the spans are the best positions widened and merged up to the
+limit; only a body that overflows the budget is re-read."""
 
 import random
 from dataclasses import replace
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from h2o_cache import CacheConfig, Generator, StaticDecoder, reread
+from h2o_cache.rope import rotate
 from tests.conftest import ByteTokenizer, tiny_llama
 
 
@@ -129,7 +131,7 @@ def test_rows_of_one_prefill_are_re_read_each_as_alone(peaked_model):
 
 
 def test_the_look_on_a_static_decoder_gains_as_on_the_generator_and_leaves_it_empty(peaked_model):
-    generator = Generator(peaked_model, ByteTokenizer(), config())
+    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_dense=0))
     prompt = tokens(120, 8)
     cache = generator.new_cache(1)
     at = generator.probe_start(prompt, cache.config)
@@ -149,7 +151,7 @@ def test_the_look_scores_the_windows_its_later_steps_gain_over_the_tail_and_its_
     """A position scores, summed over the look's steps after its first, the windows holding it beyond the
     most that held it after the tail alone or at the first step: what a decode step's choice holds
     before the reply has said anything is not what the reply points at."""
-    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_look=5))
+    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_look=5, recall_reread_dense=0))
     prompt = tokens(120, 10)
     cache = generator.new_cache(1)
     at = generator.probe_start(prompt, cache.config)
@@ -179,7 +181,7 @@ def test_the_text_must_cover_the_turn(peaked_model):
         reread.excerpt(generator, cache, 0, body[1:], 0, [5, 6], [10])
 
 
-@pytest.mark.parametrize("field, value", [("recall_reread", -1), ("recall_reread_look", 1)])
+@pytest.mark.parametrize("field, value", [("recall_reread", -1), ("recall_reread_look", 1), ("recall_reread_dense", -1)])
 def test_bad_re_read_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         config(**{field: value})
@@ -203,3 +205,134 @@ def test_a_turn_fed_in_two_calls_is_re_read_over_both_pieces(peaked_model):
     generator._prefill(by_hand, [again], ahead=True)
     assert torch.equal(logits, generator._prefill(by_hand, [piece[at:]])[0])
     assert cache.seen[0] == len(prompt) + len(again) and same(state(cache, 0), state(by_hand, 0))
+
+
+def body_fed(generator, prompt: list[int]):
+    """A 1-row cache fed the body of `prompt` (before its probe), and the tail."""
+    cache = generator.new_cache(1)
+    at = generator.probe_start(prompt, cache.config)
+    generator._prefill(cache, [prompt[:at]], ahead=True)
+    return cache, prompt[at:]
+
+
+def test_a_dense_row_holds_every_token_once_in_the_order_of_the_text(peaked_model):
+    """Its own slots and its archive, not the window's copies: each head's tokens, at their places."""
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    cache, _ = body_fed(generator, tokens(120, 11))
+    n, r = cache.lengths[0], cache.recalled[0]
+    assert len(cache.archives[0]) > 0 and r > 0
+    dense, origins, archived = reread.dense_row(cache, 0, 1000, 9)
+    seen = cache.seen[0]
+    assert dense.lengths == [seen] and dense.seen == [seen] and dense.recalled == [0]
+    assert torch.equal(origins, torch.arange(seen).expand_as(origins))
+    assert torch.equal(dense.buffers().origins[:, 0, :, :seen], origins)
+    own = cache.buffers().origins[:, 0, :, r:n]
+    for layer, head in ((0, 0), (1, 1)):
+        resident = set(own[layer, head].tolist())
+        assert [not bool(a) for a in archived[layer, head]] == [t in resident for t in range(seen)]
+        # a resident token's key as fed, as the row holds it; an archived one's as the archive does
+        slot = own[layer, head].tolist().index(int(origins[layer, head, -1]))
+        assert torch.equal(dense.buffers().keys[layer, 0, head, seen - 1], cache.buffers().keys[layer, 0, head, r + slot])
+    cos, sin = generator.spec.rope.get(seen)
+    assert torch.allclose(dense.buffers().rotated[:, 0, :, :seen], rotate(dense.buffers().keys[:, 0, :, :seen], cos, sin), atol=1e-5)
+    assert dense.config.budget == seen + 9 and not dense.config.recalls  # room for 9 more before an eviction
+    newest, origins, _ = reread.dense_row(cache, 0, 50, 9)
+    assert newest.lengths == [50] and torch.equal(origins, torch.arange(seen - 50, seen).expand_as(origins))
+
+
+def test_a_dense_row_decodes_as_the_row_where_nothing_was_evicted(peaked_model):
+    """Where the budget holds the whole text, the dense row is the row: the same logits for the same tokens."""
+    generator = Generator(peaked_model, ByteTokenizer(), config(budget=160))
+    cache = generator.new_cache(1)
+    generator._prefill(cache, [tokens(100, 12)])
+    dense, _, archived = reread.dense_row(cache, 0, 1000, 9)
+    assert not archived.any()
+    for extra in ([5], [7, 9, 11]):
+        assert torch.allclose(generator.step(dense, [extra])[0], generator.step(cache, [extra])[0], atol=1e-5)
+
+
+def test_the_dense_look_gains_what_later_steps_attend_to_beyond_twice_the_first_where_a_head_archived_it(peaked_model):
+    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_look=5))
+    cache, tail = body_fed(generator, tokens(120, 13))
+    start, end = 0, cache.seen[0]
+    before = state(cache, 0)
+    ours = reread.gains(generator, cache, 0, tail, start, end, 5)
+    assert same(state(cache, 0), before)  # the row is as it was
+
+    dense, origins, archived = reread.dense_row(cache, 0, 1000, len(tail) + 6)
+    n = origins.shape[2]
+    logits = generator._prefill(dense, [tail])[0]
+    drawn = []
+    for _ in range(5):
+        scores = dense.buffers().scores[:, 0, :, :n].clone()
+        logits = generator.step(dense, [[int(logits.argmax())]])[0]
+        drawn.append(dense.buffers().scores[:, 0, :, :n] - scores)
+    per_slot = sum((d - reread.FIRST_TIMES * drawn[0]).clamp(min=0) for d in drawn[1:]) * archived
+    expected = torch.zeros(end - start, dtype=torch.float64).index_add_(0, origins.flatten(), per_slot.flatten().double())
+    expected[expected < reread.KEEP_SHARE * expected.max()] = 0
+    assert torch.allclose(ours, expected) and ours.max() > 0
+    resident_everywhere = ~archived.any(dim=1).any(dim=0)  # [n] in the order of the text, as origins
+    assert not ours[resident_everywhere].any()  # what every head holds is read anyway: nothing to re-read
+    assert 0 < int((ours > 0).sum()) < end - start
+
+
+def test_the_look_is_dense_only_where_the_model_s_positions_hold_it(peaked_model, monkeypatch):
+    """With recall_reread_dense 0, or no room left in the model's positions, the look reads through the windows."""
+    dense_calls = []
+    dense_row = reread.dense_row
+    monkeypatch.setattr(reread, "dense_row", lambda *args: dense_calls.append(args[2]) or dense_row(*args))
+    for settings, dense in ((dict(), True), (dict(recall_reread_dense=0), False), (dict(recall_reread_dense=10), False)):
+        generator = Generator(peaked_model, ByteTokenizer(), config(**settings))
+        cache, tail = body_fed(generator, tokens(120, 14))
+        gains = reread.gains(generator, cache, 0, tail, 0, cache.seen[0], 4)
+        assert (gains.dtype == torch.float64) == dense and bool(dense_calls) == dense
+        dense_calls.clear()
+    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_dense=100))
+    cache, tail = body_fed(generator, tokens(120, 14))
+    reread.gains(generator, cache, 0, tail, 0, cache.seen[0], 4)
+    assert dense_calls == [100 - len(tail) - 5]  # the newest that fit with the tail and the look
+    positions = peaked_model.config.max_position_embeddings
+    generator = Generator(peaked_model, ByteTokenizer(), config(recall_reread_dense=10 * positions))
+    cache, tail = body_fed(generator, tokens(120, 14))
+    dense_calls.clear()
+    reread.gains(generator, cache, 0, tail, 0, cache.seen[0], 4)
+    assert dense_calls == [positions - len(tail) - 5]
+
+
+class ChatBytes(ByteTokenizer):
+    """The byte tokenizer with a plain chat template: "<role>text\n" per message, "<assistant>" to reply."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return self.encode(text)
+
+
+def test_the_excerpt_goes_after_the_question_before_the_end_of_the_user_s_turn(peaked_model):
+    tokenizer = ChatBytes()
+    generator = Generator(peaked_model, tokenizer, config(recall_probe=24))  # the question and the turn's end
+    end = tokenizer.encode("\n<assistant>")
+    assert generator.turn_end() == end and Generator(peaked_model, ByteTokenizer(), config()).turn_end() == []
+    assert Generator(peaked_model, ByteTokenizer(), config(), turn_end=[7, 8]).turn_end() == [7, 8]
+    prompt = generator.encode_chat([{"role": "user", "content": bytes(t % 90 + 32 for t in tokens(140, 15)).decode()
+                                                                  + " what was it?"}])
+    cache = generator.new_cache(1)
+    ours = generator.prefill(cache, [prompt], recall=True)[0]
+
+    by_hand, tail = body_fed(generator, prompt)
+    body = prompt[:len(prompt) - len(tail)]
+    again = generator.reread(by_hand, 0, body, 0, tail)
+    at = generator.reread_at(tail)
+    assert again and at == len(tail) - len(end) and tail[at:] == end
+    logits = generator._prefill(by_hand, [[*tail[:at], *again, *tail[at:]]])[0]
+    assert torch.equal(ours, logits) and same(state(cache, 0), state(by_hand, 0))
+    assert generator.reread_at(tail[:-1]) == 0 and generator.reread_at(end) == 0  # not the turn's end: before the tail
+
+
+def test_the_dense_look_on_a_static_decoder_gains_as_on_the_generator(peaked_model):
+    """Its steps on a fast decoder of its own (reading the given decoder's matrices), the given one left empty."""
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    cache, tail = body_fed(generator, tokens(120, 16))
+    slow = reread.gains(generator, cache, 0, tail, 0, cache.seen[0], 4)
+    decoder = StaticDecoder(peaked_model, generator.config, 1)
+    fast = reread.gains(generator, cache, 0, tail, 0, cache.seen[0], 4, decoder)
+    assert torch.allclose(slow, fast, rtol=1e-4, atol=1e-6) and slow.max() > 0 and decoder.cache.batch_size == 0
