@@ -336,3 +336,16 @@ def test_the_dense_look_on_a_static_decoder_gains_as_on_the_generator(peaked_mod
     decoder = StaticDecoder(peaked_model, generator.config, 1)
     fast = reread.gains(generator, cache, 0, tail, 0, cache.seen[0], 4, decoder)
     assert torch.allclose(slow, fast, rtol=1e-4, atol=1e-6) and slow.max() > 0 and decoder.cache.batch_size == 0
+
+
+def test_a_passage_runs_on_to_the_end_of_its_sentence_within_a_few_tokens():
+    """A passage cut inside a number would put the cut number last before the answer."""
+    text = list(b"The key is 60494. Remember it. 60494 it is.\nNext line here")
+    ends = lambda token: chr(token) in ".!?\n"  # noqa: E731
+    cut = text.index(ord("R")) + 13  # inside the second "60494"
+    [(a, b)] = reread.finished([(4, cut)], text, ends)
+    assert a == 4 and bytes(text[a:b]).endswith(b"60494 it is.")
+    assert reread.finished([(4, cut)], text, ends, most=3) == [(4, cut)]  # no end within reach: as it was
+    # runs that come to touch are merged; a span that ends a sentence already stays
+    assert reread.finished([(0, 5), (8, 12)], text, ends) == [(0, text.index(ord(".")) + 1)]
+    assert reread.finished([(0, text.index(ord(".")) + 1)], text, ends) == [(0, text.index(ord(".")) + 1)]
