@@ -130,7 +130,9 @@ class CacheConfig:
     # the keys' mean hold 0.731 / 0.449 / 0.266 of the step's attention over a 4k / 8k / 16k archive, by
     # the mean -/+ deviation 0.705 / 0.417 / 0.237 (the best 256: 0.751 / 0.476 / 0.292), reading half the bytes
     recall_digest: str = "centre"
-    recall_archive: int = 16384
+    # a 30-turn chat's re-read passages (~150 tokens a turn) took it past 16384 archived tokens, and its
+    # first turn's pass key was dropped: 0 of 10 (RESULTS.md, "A look that reads every token")
+    recall_archive: int = 24576
     recall_probe: int = 64
     # measured (RESULTS.md, "The question alone probes" and "A probe after the blank line trades one form
     # for another"): a code said once in a ~2k / ~4k-token message 19/24 / 30/36 after the blank line

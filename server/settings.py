@@ -112,7 +112,7 @@ class ServerSettings(BaseSettings):
                                             "the held keys at their ranks, then the text layout until the next "
                                             "prompt (every prefill pass reads ranks; 1000000: every step)")
     recall_archive: int = Field(
-        16384, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
+        24576, ge=1, le=10_000_000, description="most evicted tokens per layer/KV head a conversation archives in "
                                                 "host memory (at least --recall-budget); the oldest go first")
     recall_probe: int = Field(
         64, ge=1, le=65536, description="last tokens of a turn's prompt, fed as chunks of their own so that their "
