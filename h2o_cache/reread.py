@@ -102,68 +102,81 @@ def _positions(generator) -> int:
     return getattr(generator.model.config, "max_position_embeddings", None) or (1 << 62)
 
 
+def dense_size(cache: H2OCache, row: int, limit: int) -> int:
+    """How many tokens per layer and KV head `dense_row(cache, row, limit, ...)` holds: row `row`'s own
+    slots and its archive, at most `limit`."""
+    archive = cache.archives[row]
+    return min(limit, cache.lengths[row] - cache.recalled[row] + (len(archive) if archive is not None else 0))
+
+
 @torch.no_grad()
-def dense_row(cache: H2OCache, row: int, limit: int, room: int) -> tuple[H2OCache, torch.Tensor, torch.Tensor]:
+def dense_row(cache: H2OCache, row: int, limit: int, room: int,
+              into: H2OCache | None = None) -> tuple[H2OCache, torch.Tensor, torch.Tensor]:
     """Row `row`'s newest `limit` tokens per layer and KV head, its own slots and its archive (not the
     window's copies of archived ones), as a 1-row cache of the same model that evicts nothing before
     `room` more tokens: in the order of the text, token i at slot and position i (the cache's own
     rolling, so a prompt shorter than the model's positions is read where it stood). Returns the
     cache, the origins [L, H_kv, n] of its slots and which of them the row holds only in its archive
-    (bool, the same shape). It takes n + room tokens of the cache's layout, for as long as it is held."""
+    (bool, the same shape). It takes n + room tokens of the cache's layout, for as long as it is held.
+    into: an empty cache of that size (`dense_size` + `room` tokens, no recall: a `StaticDecoder`'s,
+    whose steps are then the look's) that becomes the row, so the row is not built once more to be
+    copied there; else a new one."""
     buffers = cache.buffers()
     r, n = cache.recalled[row], cache.lengths[row]
-    keys, values = buffers.keys[:, row, :, r:n], buffers.values[:, row, :, r:n]
-    origins = buffers.origins[:, row, :, r:n]
-    archived = torch.zeros(origins.shape, dtype=torch.bool, device=origins.device)
     archive = cache.archives[row]
-    if archive is not None and len(archive):
-        stored, m = archive.storage(), len(archive)
-        device = keys.device
-        keys = torch.cat([keys, stored["keys"][:, :, :m].to(device, keys.dtype)], 2)
-        values = torch.cat([values, stored["values"][:, :, :m].to(device, values.dtype)], 2)
-        origins = torch.cat([origins, stored["origins"][:, :, :m].to(device)], 2)
-        archived = torch.cat([archived, torch.ones(*archived.shape[:2], m, dtype=torch.bool, device=device)], 2)
-    newest = min(limit, origins.shape[2])
-    order = origins.topk(newest, dim=-1).indices.flip(-1)  # the newest, oldest first
-    origins, archived = origins.gather(2, order), archived.gather(2, order)
-    keys = keys.gather(2, order[..., None].expand(*order.shape, keys.shape[-1]))
-    values = values.gather(2, order[..., None].expand(*order.shape, values.shape[-1]))
-    config = dense_config(cache.config, newest + room)
-    dense = H2OCache(cache.spec, config, 1)
-    dense.reserve(1, newest + room)
-    into = dense.buffers()
-    into.keys[:, 0, :, :newest] = keys
-    into.values[:, 0, :, :newest] = values
-    into.origins[:, 0, :, :newest] = origins
-    into.scores[:, 0].zero_()
+    m = len(archive) if archive is not None else 0
+    stored = archive.storage() if m else None
+    newest = dense_size(cache, row, limit)
+    if into is None:
+        into = H2OCache(cache.spec, replace(cache.config, budget=newest + room, recall_budget=0, evict_slack=None))
+        into.reserve(1, newest + room)
+    elif into.batch_size or into.config.recalls or into.config.budget < newest + room:
+        raise ValueError(f"a dense row of {newest} + {room} tokens needs an empty cache of that budget without recall")
+    into.add_rows(1)
+    dense = into.buffers()
+    device = buffers.keys.device
+    origins = torch.empty(*buffers.origins.shape[:1], buffers.origins.shape[2], newest, dtype=torch.int64, device=device)
+    archived = torch.empty(origins.shape, dtype=torch.bool, device=device)
+    for layer in range(origins.shape[0]):  # a layer at a time: what is copied on the way is one layer's
+        keys, values = buffers.keys[layer, row, :, r:n], buffers.values[layer, row, :, r:n]
+        held = buffers.origins[layer, row, :, r:n]
+        if m:
+            keys = torch.cat([keys, stored["keys"][layer, :, :m].to(device, keys.dtype)], 1)
+            values = torch.cat([values, stored["values"][layer, :, :m].to(device, values.dtype)], 1)
+            held = torch.cat([held, stored["origins"][layer, :, :m].to(device)], 1)
+        order = held.topk(newest, dim=-1).indices.flip(-1)  # the newest, oldest first
+        origins[layer] = held.gather(1, order)
+        archived[layer] = order >= n - r
+        at = order[..., None].expand(*order.shape, keys.shape[-1])
+        torch.gather(keys, 1, at, out=dense.keys[layer, 0, :, :newest])
+        torch.gather(values, 1, at, out=dense.values[layer, 0, :, :newest])
+    dense.origins[:, 0, :, :newest] = origins
+    dense.scores[:, 0].zero_()
     cos, sin = cache.spec.rope.get(newest)
-    rotate_into(into.rotated[:, 0, :, :newest], into.keys[:, 0, :, :newest], cos, sin)
-    dense.lengths, dense.seen = [newest], [cache.seen[row]]
-    return dense, origins, archived
-
-
-def dense_config(config: CacheConfig, budget: int) -> CacheConfig:
-    """A `dense_row`'s config: `config`'s policy and rolling at `budget` tokens, no recall."""
-    return replace(config, budget=budget, recall_budget=0, evict_slack=None)
+    rotate_into(dense.rotated[:, 0, :, :newest], dense.keys[:, 0, :, :newest], cos, sin)
+    into.lengths, into.seen = [newest], [cache.seen[row]]
+    return into, origins, archived
 
 
 def _dense_look(generator, cache: H2OCache, row: int, tail: list[int], start: int, end: int, look: int,
                 limit: int, decoder=None) -> torch.Tensor:
     """`gains` by the attention of a look on `dense_row` (step 1 of the module's account), fp64. decoder:
     a `StaticDecoder` whose packed matrices the look's fast steps read (else `generator.step`)."""
-    dense, origins, archived = dense_row(cache, row, limit, len(tail) + look + 1)
-    n = origins.shape[2]
-    logits = generator._prefill(dense, [tail])[0]
+    room = len(tail) + look + 1
+    fast = None
     if decoder is not None:  # the steps on the fast path: ~5x faster than the transformers path's at 4k
         from h2o_cache.quantized import EXACT
         from h2o_cache.static import StaticDecoder
 
         exact = decoder.native is not None and decoder.native.activations == EXACT
+        size = dense_size(cache, row, limit) + room
+        config = replace(cache.config, budget=size, recall_budget=0, evict_slack=None)
         # one look of a size of its own: no CUDA graph worth capturing
-        fast = StaticDecoder(generator.model, dense.config, 1, cuda_graphs=False, exact=exact, share=decoder)
-        fast.cache.extend(dense, move=True)
-        dense = fast.cache
-
+        fast = StaticDecoder(generator.model, config, 1, cuda_graphs=False, exact=exact, share=decoder)
+    dense, origins, archived = dense_row(cache, row, limit, room, None if fast is None else fast.cache)
+    n = origins.shape[2]
+    logits = generator._prefill(dense, [tail])[0]
+    if fast is not None:
         def step(token: int) -> torch.Tensor:
             dense.pending[0] = [token]
             return fast.step()[0]

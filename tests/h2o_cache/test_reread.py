@@ -125,7 +125,8 @@ def test_rows_of_one_prefill_are_re_read_each_as_alone(peaked_model):
         alone, again, by_hand = prefill_by_hand(generator, prompt)
         assert bool(again) == (row != 1)
         assert cache.seen[row] == len(prompt) + len(again)
-        assert torch.allclose(logits[row], alone, atol=1e-5)
+        # a batch's products sum in another order than one row's: 1e-4 apart with one thread
+        assert torch.allclose(logits[row], alone, atol=1e-4)
         assert torch.equal(cache.buffers().origins[:, row, :, :cache.lengths[row]],
                            by_hand.buffers().origins[:, 0, :, :by_hand.lengths[0]])
 
@@ -238,6 +239,29 @@ def test_a_dense_row_holds_every_token_once_in_the_order_of_the_text(peaked_mode
     assert dense.config.budget == seen + 9 and not dense.config.recalls  # room for 9 more before an eviction
     newest, origins, _ = reread.dense_row(cache, 0, 50, 9)
     assert newest.lengths == [50] and torch.equal(origins, torch.arange(seen - 50, seen).expand_as(origins))
+
+
+def test_a_dense_row_fills_the_empty_cache_it_is_given_in_place(peaked_model):
+    """Into a fast decoder's own cache (the look's steps), with nothing built to be copied there: the same
+    row as a new cache's, in the storage the decoder reads; a cache that cannot take it is refused."""
+    generator = Generator(peaked_model, ByteTokenizer(), config())
+    cache, _ = body_fed(generator, tokens(120, 11))
+    size = reread.dense_size(cache, 0, 1000)
+    assert size == cache.seen[0]  # every token once: its own slots and its archive
+    assert reread.dense_size(cache, 0, 50) == 50
+    own, origins, archived = reread.dense_row(cache, 0, 1000, 9)
+    dense_config = replace(generator.config, budget=size + 9, recall_budget=0, evict_slack=None)
+    decoder = StaticDecoder(peaked_model, dense_config, 1)
+    storage = [t.data_ptr() for t in decoder.cache._buffers()]
+    into, into_origins, into_archived = reread.dense_row(cache, 0, 1000, 9, decoder.cache)
+    assert into is decoder.cache and [t.data_ptr() for t in into._buffers()] == storage
+    assert torch.equal(into_origins, origins) and torch.equal(into_archived, archived)
+    assert into.lengths == own.lengths and into.seen == own.seen
+    for mine, theirs in zip(into._buffers(), own._buffers()):
+        assert torch.equal(mine[:, :1, :, :size], theirs[:, :1, :, :size])
+    for wrong in (decoder.cache, StaticDecoder(peaked_model, replace(dense_config, budget=size), 1).cache):
+        with pytest.raises(ValueError, match="empty cache"):
+            reread.dense_row(cache, 0, 1000, 9, wrong)
 
 
 def test_a_dense_row_decodes_as_the_row_where_nothing_was_evicted(peaked_model):
