@@ -16,7 +16,7 @@ from h2o_cache.cache import H2OCache
 from h2o_cache.config import CacheConfig
 from h2o_cache.hf import forward, model_spec
 from h2o_cache.sampling import Sample, Sampler, SamplingParams, sample
-from h2o_cache.text import StreamDecoder, byte_table, line_breaks, probe_start
+from h2o_cache.text import StreamDecoder, byte_table, holding, line_breaks, probe_start
 
 
 @dataclass
@@ -56,6 +56,7 @@ class Generator:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
         self._byte_table: list[bytes] | None = None  # computed on first use: [] when the tokenizer has none
         self._breaks: tuple | None = None  # `line_breaks`, computed on first use
+        self._sentence_ends: frozenset[int] | None = None  # `sentence_ends`, computed on first use
         self._separator: list[int] | None = None  # a blank line's tokens, between re-read passages
         self._turn_end = turn_end  # `turn_end`; None: computed on first use
         # a `StaticDecoder` of one row and this config (the fast step) for re-reads' looks; None: `step`
@@ -78,6 +79,13 @@ class Generator:
         if self._breaks is None:
             self._breaks = line_breaks(self.tokenizer, self._bytes())
         return probe_start(tokens, config.recall_probe, self._breaks)
+
+    def sentence_ends(self) -> frozenset[int]:
+        """The token ids whose text ends a sentence or a line (holds one of `reread.STOPS`): where a re-read
+        passage may end (`reread.finished`)."""
+        if self._sentence_ends is None:
+            self._sentence_ends = holding(self.tokenizer, reread.STOPS, self._bytes())
+        return self._sentence_ends
 
     def turn_end(self) -> list[int]:
         """The tokens the chat template puts after a user's message when the reply follows it (the end of

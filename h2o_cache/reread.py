@@ -291,8 +291,7 @@ def excerpt(generator, cache: H2OCache, row: int, text: Sequence[int], start: in
     spans = passages(score, config.recall_reread)
     if not spans:
         return []
-    decode = generator.tokenizer.decode
-    spans = finished(spans, text, lambda token: any(stop in decode([token]) for stop in STOPS))
+    spans = finished(spans, text, generator.sentence_ends().__contains__)
     out = list(separator)
     for a, b in spans:
         out += list(text[a:b]) + list(separator)

@@ -105,14 +105,25 @@ class StreamDecoder:
         return 0
 
 
+def token_texts(tokenizer, table: list[bytes] | None = None) -> list[bytes]:
+    """Every token id's text: the byte table (`byte_table`) where given, else each id decoded (special
+    tokens: b"")."""
+    if table is not None:
+        return table
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    return [b"" if i in special else tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+
+
+def holding(tokenizer, marks: tuple[str, ...], table: list[bytes] | None = None) -> frozenset[int]:
+    """The token ids whose text holds any of `marks` (`token_texts`)."""
+    wanted = [mark.encode() for mark in marks]
+    return frozenset(i for i, t in enumerate(token_texts(tokenizer, table)) if any(w in t for w in wanted))
+
+
 def line_breaks(tokenizer, table: list[bytes] | None = None) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
     """The token ids whose text ends with a newline, starts with one, and holds a blank line ("\n\n"),
     from a byte table (`byte_table`) where given, else by decoding each id (special tokens: none)."""
-    if table is None:
-        special = set(getattr(tokenizer, "all_special_ids", ()))
-        texts = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
-    else:
-        texts = table
+    texts = token_texts(tokenizer, table)
     return (frozenset(i for i, t in enumerate(texts) if t.endswith(b"\n")),
             frozenset(i for i, t in enumerate(texts) if t.startswith(b"\n")),
             frozenset(i for i, t in enumerate(texts) if b"\n\n" in t))

@@ -373,3 +373,10 @@ def test_a_passage_runs_on_to_the_end_of_its_sentence_within_a_few_tokens():
     # runs that come to touch are merged; a span that ends a sentence already stays
     assert reread.finished([(0, 5), (8, 12)], text, ends) == [(0, text.index(ord(".")) + 1)]
     assert reread.finished([(0, text.index(ord(".")) + 1)], text, ends) == [(0, text.index(ord(".")) + 1)]
+
+
+def test_a_generator_s_sentence_ends_are_the_ids_whose_text_holds_a_stop(peaked_model):
+    tokenizer = ByteTokenizer()
+    generator = Generator(peaked_model, tokenizer, config())
+    ends = generator.sentence_ends()
+    assert ends == {tokenizer.encode(stop)[0] for stop in reread.STOPS} and generator.sentence_ends() is ends

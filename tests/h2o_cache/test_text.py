@@ -81,3 +81,12 @@ def test_line_breaks_read_a_byte_table_where_there_is_one():
     table = [b"", b"a", b"\n", b"b\n", b"\nc", b"\n\n", b"x\n\ny"]
     ends, starts, blank = line_breaks(None, table)
     assert ends == {2, 3, 5} and starts == {2, 4, 5} and blank == {5, 6}
+
+
+def test_the_ids_holding_a_mark_come_from_the_byte_table_or_from_decoding_each_id():
+    from h2o_cache.text import holding
+    table = [b"", b"a.", b"b", b"?\n", b"c!", b"end"]
+    assert holding(None, (".", "!", "\n"), table) == {1, 3, 4}
+    assert holding(None, ("nd",), table) == {5}
+    tokenizer = ByteTokenizer(vocab=259)
+    assert holding(tokenizer, (".", "\n")) == {tokenizer.encode(".")[0], tokenizer.encode("\n")[0]}
