@@ -10,7 +10,9 @@ download) on quiet and evicting steps, at batch 1 and batch 64.
 import pytest
 import torch
 
-from h2o_cache import CacheConfig, Generator, Sampler, SamplingParams, StaticDecoder, sample
+from dataclasses import replace
+
+from h2o_cache import CacheConfig, Generator, Sampler, SamplingParams, StaticDecoder, reread, sample
 from tests.conftest import ByteTokenizer, tiny_llama
 from tests.device_audit import FakeCuda
 
@@ -219,3 +221,27 @@ def test_a_step_replays_its_buckets_graph_without_ranks_where_no_row_reads_them(
     assert not audit.forbidden and not audit.mixed
     assert replayed == expected
     assert [ranks for _, ranks in expected] == [True, True, True, True, True, False]
+
+
+def test_a_re_read_s_dense_row_is_built_on_the_device_from_the_host_archive():
+    """The dense look's row (`reread.dense_row`, never yet run on a GPU): the row's own slots on the device,
+    its archive uploaded from host memory a layer at a time, into a new cache or into the look's 1-row
+    decoder's, with no host read of a device value and no op that mixes devices."""
+    config = CacheConfig(policy="h2o", budget=16, evict_slack=4, prefill_chunk=8, recall_budget=8, recall_block=4,
+                         recall_archive=256)
+    with FakeCuda() as audit:
+        model = fake_cuda_model()
+        gen = Generator(model, ByteTokenizer(), config)
+        row = prefilled(gen, 40, 5)
+        assert len(row.archives[0]) > 0
+        size = reread.dense_size(row, 0, 1000)
+        dense, origins, archived = reread.dense_row(row, 0, 1000, 9)
+        look = StaticDecoder(model, replace(config, budget=size + 9, recall_budget=0, evict_slack=None), 1,
+                             cuda_graphs=False)
+        into, _, _ = reread.dense_row(row, 0, 1000, 9, look.cache)
+    assert not audit.forbidden and not audit.mixed
+    assert into is look.cache and dense.lengths == into.lengths == [size]
+    for buffers in (dense.buffers(), into.buffers()):
+        assert buffers.keys.device == CUDA and buffers.keys.dtype == torch.bfloat16
+        assert buffers.rotated.device == buffers.origins.device == CUDA
+    assert origins.device == archived.device == CUDA and origins.shape[-1] == size
