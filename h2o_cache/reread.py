@@ -20,7 +20,7 @@ fed and before its tail (the probe, where the question usually is):
    the windows that hold it beyond the most that held it after the tail alone or at the first step.
 2. The positions that gained most, each widened to `SPAN_BEFORE` tokens before and `SPAN_AFTER` after
    it, merged where they touch, up to `recall_reread` tokens, each then run on to the end of its
-   sentence or line within `SNAP` tokens, are the excerpt: their tokens in the order of the text, a
+   sentence or line and back to its start within `SNAP` tokens, are the excerpt: their tokens in the order of the text, a
    separator (a blank line) before and after each passage.
 3. The row itself, which the look left as it was, is then fed the tail with the excerpt inside it
    (`Generator.prefill`): after the question and before the chat template's end of the user's turn
@@ -54,9 +54,11 @@ SPAN_AFTER = 16  # tokens after it (a fact usually follows the words that point 
 # the passages of a fifth of the best are still about the fact (RESULTS.md, "A look that reads every token").
 FIRST_TIMES = 2.0
 KEEP_SHARE = 0.2
-# Tokens a passage may run on past its end to finish its sentence or line: one cut inside a number
-# ("The pass key is 60494. Remember it. 6049") put the cut number last before the answer, which the
-# reply then took (a pass key at depth 25% of a 4k prompt: 3 of 10, RESULTS.md "A look that reads every token")
+# Tokens a passage may run on past its end to finish its sentence or line, and reach back before its
+# start to begin one: one cut inside a number ("The pass key is 60494. Remember it. 6049") put the cut
+# number last before the answer, which the reply then took (a pass key at depth 25% of a 4k prompt: 3 of
+# 10, RESULTS.md "A look that reads every token"); one begun after the words that name what it tells
+# (" Leeds is to drink hot chocolate", without "The best thing to do in") was read less often
 SNAP = 16
 STOPS = (".", "!", "?", "\n")
 
@@ -262,14 +264,20 @@ def passages(score: torch.Tensor, limit: int, before: int = SPAN_BEFORE, after: 
 
 
 def finished(spans: list[tuple[int, int]], text: Sequence[int], ends: Callable[[int], bool],
-             most: int = SNAP) -> list[tuple[int, int]]:
+             most: int = SNAP, back: int = 0) -> list[tuple[int, int]]:
     """`spans` ([a, b) into `text`, ascending, disjoint), each run on to just past the first of its next
-    `most` tokens that `ends` (a sentence or a line), where one does; merged where they then touch."""
+    `most` tokens that `ends` (a sentence or a line), where one does, and started just after the last of
+    its `back` tokens before it that does (or at the text's start, where that is within reach); merged
+    where they then touch."""
     out: list[tuple[int, int]] = []
     for a, b in spans:
         for at in range(b - 1, min(len(text), b - 1 + most + 1)):
             if ends(text[at]):
                 b = at + 1
+                break
+        for at in range(a - 1, a - 2 - back, -1):
+            if at < 0 or ends(text[at]):
+                a = at + 1
                 break
         if out and a <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], b))
@@ -291,7 +299,7 @@ def excerpt(generator, cache: H2OCache, row: int, text: Sequence[int], start: in
     spans = passages(score, config.recall_reread)
     if not spans:
         return []
-    spans = finished(spans, text, generator.sentence_ends().__contains__)
+    spans = finished(spans, text, generator.sentence_ends().__contains__, SNAP, SNAP)
     out = list(separator)
     for a, b in spans:
         out += list(text[a:b]) + list(separator)

@@ -373,6 +373,12 @@ def test_a_passage_runs_on_to_the_end_of_its_sentence_within_a_few_tokens():
     # runs that come to touch are merged; a span that ends a sentence already stays
     assert reread.finished([(0, 5), (8, 12)], text, ends) == [(0, text.index(ord(".")) + 1)]
     assert reread.finished([(0, text.index(ord(".")) + 1)], text, ends) == [(0, text.index(ord(".")) + 1)]
+    # reaching back: to just after the last end before the start within reach, or to the text's start
+    remember = text.index(ord("R"))
+    assert reread.finished([(remember + 3, cut)], text, ends, back=8)[0][0] == remember - 1  # after ". "
+    assert reread.finished([(remember + 3, cut)], text, ends, back=3)[0][0] == remember + 3  # out of reach
+    assert reread.finished([(3, 6)], text, ends, back=5)[0][0] == 0
+    assert reread.finished([(3, 6)], text, ends, back=2)[0][0] == 3
 
 
 def test_a_generator_s_sentence_ends_are_the_ids_whose_text_holds_a_stop(peaked_model):
