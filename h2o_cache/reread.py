@@ -104,6 +104,11 @@ def _positions(generator) -> int:
     return getattr(generator.model.config, "max_position_embeddings", None) or (1 << 62)
 
 
+def dense_config(config: CacheConfig, budget: int) -> CacheConfig:
+    """A `dense_row`'s config: `config`'s policy and rolling at `budget` tokens, no recall."""
+    return replace(config, budget=budget, recall_budget=0, evict_slack=None)
+
+
 def dense_size(cache: H2OCache, row: int, limit: int) -> int:
     """How many tokens per layer and KV head `dense_row(cache, row, limit, ...)` holds: row `row`'s own
     slots and its archive, at most `limit`."""
@@ -120,7 +125,7 @@ def dense_row(cache: H2OCache, row: int, limit: int, room: int,
     rolling, so a prompt shorter than the model's positions is read where it stood). Returns the
     cache, the origins [L, H_kv, n] of its slots and which of them the row holds only in its archive
     (bool, the same shape). It takes n + room tokens of the cache's layout, for as long as it is held.
-    into: an empty cache of that size (`dense_size` + `room` tokens, no recall: a `StaticDecoder`'s,
+    into: an empty cache of that size (`dense_config` at `dense_size` + `room` tokens: a `StaticDecoder`'s,
     whose steps are then the look's) that becomes the row, so the row is not built once more to be
     copied there; else a new one."""
     buffers = cache.buffers()
@@ -130,16 +135,17 @@ def dense_row(cache: H2OCache, row: int, limit: int, room: int,
     stored = archive.storage() if m else None
     newest = dense_size(cache, row, limit)
     if into is None:
-        into = H2OCache(cache.spec, replace(cache.config, budget=newest + room, recall_budget=0, evict_slack=None))
+        into = H2OCache(cache.spec, dense_config(cache.config, newest + room))
         into.reserve(1, newest + room)
     elif into.batch_size or into.config.recalls or into.config.budget < newest + room:
         raise ValueError(f"a dense row of {newest} + {room} tokens needs an empty cache of that budget without recall")
     into.add_rows(1)
     dense = into.buffers()
     device = buffers.keys.device
-    origins = torch.empty(*buffers.origins.shape[:1], buffers.origins.shape[2], newest, dtype=torch.int64, device=device)
+    layers, heads = buffers.origins.shape[0], buffers.origins.shape[2]
+    origins = torch.empty(layers, heads, newest, dtype=torch.int64, device=device)
     archived = torch.empty(origins.shape, dtype=torch.bool, device=device)
-    for layer in range(origins.shape[0]):  # a layer at a time: what is copied on the way is one layer's
+    for layer in range(layers):  # a layer at a time: what is copied on the way is one layer's
         keys, values = buffers.keys[layer, row, :, r:n], buffers.values[layer, row, :, r:n]
         held = buffers.origins[layer, row, :, r:n]
         if m:
@@ -171,8 +177,7 @@ def _dense_look(generator, cache: H2OCache, row: int, tail: list[int], start: in
         from h2o_cache.static import StaticDecoder
 
         exact = decoder.native is not None and decoder.native.activations == EXACT
-        size = dense_size(cache, row, limit) + room
-        config = replace(cache.config, budget=size, recall_budget=0, evict_slack=None)
+        config = dense_config(cache.config, dense_size(cache, row, limit) + room)
         # one look of a size of its own: no CUDA graph worth capturing
         fast = StaticDecoder(generator.model, config, 1, cuda_graphs=False, exact=exact, share=decoder)
     dense, origins, archived = dense_row(cache, row, limit, room, None if fast is None else fast.cache)

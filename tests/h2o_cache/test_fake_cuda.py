@@ -10,8 +10,6 @@ download) on quiet and evicting steps, at batch 1 and batch 64.
 import pytest
 import torch
 
-from dataclasses import replace
-
 from h2o_cache import CacheConfig, Generator, Sampler, SamplingParams, StaticDecoder, reread, sample
 from tests.conftest import ByteTokenizer, tiny_llama
 from tests.device_audit import FakeCuda
@@ -236,8 +234,7 @@ def test_a_re_read_s_dense_row_is_built_on_the_device_from_the_host_archive():
         assert len(row.archives[0]) > 0
         size = reread.dense_size(row, 0, 1000)
         dense, origins, archived = reread.dense_row(row, 0, 1000, 9)
-        look = StaticDecoder(model, replace(config, budget=size + 9, recall_budget=0, evict_slack=None), 1,
-                             cuda_graphs=False)
+        look = StaticDecoder(model, reread.dense_config(config, size + 9), 1, cuda_graphs=False)
         into, _, _ = reread.dense_row(row, 0, 1000, 9, look.cache)
     assert not audit.forbidden and not audit.mixed
     assert into is look.cache and dense.lengths == into.lengths == [size]
