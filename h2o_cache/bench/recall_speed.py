@@ -31,6 +31,7 @@ Also printed: the host bytes one archived token takes, and what the archive hold
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from dataclasses import replace
@@ -91,9 +92,16 @@ class ForwardTimer:
             self.seconds += time.perf_counter() - began
 
 
+def ratio_text(ratio: Interval) -> str:
+    """A ratio's median as the table prints it: to the interval's decimals, so the interval holds it."""
+    return f"{ratio.value:.3f}"
+
+
 def interval_text(ratio: Interval) -> str:
-    """A ratio's interval as the table prints it."""
-    return f"[{ratio.low:.3f}, {ratio.high:.3f}]"
+    """A ratio's interval as the table prints it, rounded outward: the printed interval holds the true
+    one, and so the median as `ratio_text` rounds it (to nearest, the interval's bounds holding a median
+    at one of them: 0.83994 is [0.839, ...] and 0.840, not [0.840, ...] and 0.8399)."""
+    return f"[{math.floor(ratio.low * 1000) / 1000:.3f}, {math.ceil(ratio.high * 1000) / 1000:.3f}]"
 
 
 def rotated(timed: dict[K, V], rep: int) -> list[tuple[K, V]]:
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             grown = config.choice_interval(batch)  # recall_interval grows with the rows decoding
             label = f"{name} (a row every {grown})" if judged and grown != config.recall_interval else name
             table.append([f"decode step, batch {batch}, {label}", 1e3 * statistics.median(times["off"]),
-                          1e3 * statistics.median(times[name]), ratio.value, interval_text(ratio),
+                          1e3 * statistics.median(times[name]), ratio_text(ratio), interval_text(ratio),
                           "<= 1.25" if judged else "", ("met" if ratio.value <= 1.25 else "MISSED") if judged else ""])
         if args.by_step:  # the same decoders, on from where the windows above left them
             by_step += step_table(decoders, batch, args.reps, args.steps)
@@ -351,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, label in labels:
             ratio = median_interval([a / b for a, b in zip(times[name], times["off"])])
             table.append([f"prefill of a {args.prompt}-token prompt in chunks of {chunk}{label}", 1e3 * statistics.median(times["off"]),
-                          1e3 * statistics.median(times[name]), ratio.value, interval_text(ratio), "<= 1.5",
+                          1e3 * statistics.median(times[name]), ratio_text(ratio), interval_text(ratio), "<= 1.5",
                           "met" if ratio.value <= 1.5 else "MISSED"])
     print(markdown_table(["", "recall off, ms", "recall on, ms", "on / off", "95% CI", "target", ""], table,
                          f"Cost of recall, medians of {args.reps} interleaved repetitions "

@@ -33,6 +33,18 @@ def test_measure_fast_times_every_decoder_while_rows_evict(tiny_model, byte_toke
     assert len(lines) == 4 + len(timings) and all(line.endswith(("| met |", "| MISSED |")) for line in lines[4:])
 
 
+def test_a_printed_ratio_lies_in_its_printed_interval_however_they_round():
+    from h2o_cache.bench.recall_speed import interval_text, ratio_text
+    from h2o_cache.bench.stats import Interval
+
+    # a median at its interval's bound (two repetitions): 0.83994 once printed as 0.8399 beside [0.840, ...]
+    for value, low, high in [(0.83994, 0.83994, 0.9), (1.23456, 1.2, 1.23456), (1.0005, 1.0005, 1.0005), (2.5, 2.0, 3.0)]:
+        ratio = Interval(value, low, high)
+        printed_low, printed_high = (float(x) for x in interval_text(ratio).strip("[]").split(","))
+        assert printed_low <= low and high <= printed_high  # outward
+        assert printed_low <= float(ratio_text(ratio)) <= printed_high
+
+
 def test_recall_speed_prints_decode_and_prefill_ratios_with_an_archive(tmp_path, capsys):
     from h2o_cache.bench import random_model, recall_speed
 
